@@ -1,0 +1,103 @@
+"""Plain PyTorch depth routing: the reference every fused kernel is tested against.
+
+One op serves every routed residual variant (AttnRes, Block AttnRes, MHAR, Delta AttnRes):
+
+    rstd_i      = 1 / sqrt(mean_c v_i[c]^2 + eps)                       key RMSNorm (full width d)
+    s_i^h       = sum_{c in slice h} q[c] * g[c] * v_i[c] * rstd_i        score of source i, head h
+    alpha_i^h   = softmax_i(s_i^h)                                        routing weights over depth
+    r[c]        = sum_i alpha_i^{h(c)} * v_i[c]                           routed value (raw sources)
+    out         = r                        (replacement form, AttnRes eqs. 2-6)
+    out         = stream + gate * r        (additive form, Delta AttnRes)
+
+Head h owns the contiguous channel slice [h*d/H, (h+1)*d/H) (MHAR); H = 1 is AttnRes exactly.
+All arithmetic is float32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+
+def check_route_args(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    gain: Tensor,
+    heads: int,
+    stream: Optional[Tensor],
+    gate: Optional[Tensor],
+) -> None:
+    """Validate the arguments of :func:`depth_route` before any work; raise ValueError naming the bad one."""
+    if len(sources) == 0:
+        raise ValueError("depth_route: sources is empty; a routing site needs at least one source")
+    shape = sources[0].shape
+    if len(shape) == 0:
+        raise ValueError("depth_route: sources must have a channel dimension, got a scalar")
+    d = shape[-1]
+    for i, v in enumerate(sources):
+        if v.shape != shape:
+            raise ValueError(f"depth_route: sources[{i}] has shape {tuple(v.shape)}, sources[0] has {tuple(shape)}")
+        if not v.is_floating_point():
+            raise ValueError(f"depth_route: sources[{i}] has dtype {v.dtype}; expected a floating dtype")
+    for name, p in (("query", query), ("gain", gain), ("gate", gate)):
+        if p is not None and tuple(p.shape) != (d,):
+            raise ValueError(f"depth_route: {name} has shape {tuple(p.shape)}; expected ({d},)")
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or d % heads:
+        raise ValueError(f"depth_route: heads={heads!r} must be a positive divisor of the width d={d}")
+    if (stream is None) != (gate is None):
+        raise ValueError("depth_route: stream and gate go together (additive form) or are both None")
+    if stream is not None and stream.shape != shape:
+        raise ValueError(f"depth_route: stream has shape {tuple(stream.shape)}; expected {tuple(shape)}")
+
+
+def depth_route(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    gain: Tensor,
+    heads: int = 1,
+    stream: Optional[Tensor] = None,
+    gate: Optional[Tensor] = None,
+    eps: float = 1e-6,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Route over the depth history at one routing site (AttnRes / MHAR / Delta AttnRes).
+
+    Args:
+        sources: N >= 1 tensors of one shape ``[..., d]`` (e.g. ``[B, T, d]``), any floating
+            dtype (float32 / bfloat16 / float16; they may differ): the embedding and the sublayer
+            outputs, or the block sums and the partial block (Block AttnRes).
+        query: ``[d]`` pseudo-query q of this routing site (AttnRes eq. 3; zero-initialised).
+        gain: ``[d]`` gain g of the key RMSNorm.
+        heads: H, a divisor of d. Head h scores and mixes the channel slice ``[h*d/H, (h+1)*d/H)``
+            with its own softmax over depth (MHAR). 1 is AttnRes.
+        stream: ``[..., d]`` residual stream for the additive (Delta AttnRes) form, or None.
+        gate: ``[d]`` output gate of the additive form (zero-initialised), or None.
+        eps: RMSNorm epsilon.
+        return_weights: also return the routing weights.
+
+    Returns:
+        ``out`` of shape ``[..., d]``: ``r`` (replacement) or ``stream + gate * r`` (additive), in
+        the dtype of ``stream`` when given, else the promoted dtype of the sources. With
+        ``return_weights``, also ``weights`` ``[N, ..., H]`` float32, summing to 1 over N.
+
+    Raises:
+        ValueError: empty sources, mismatched shapes, H not dividing d, a stream without a gate.
+    """
+    check_route_args(sources, query, gain, heads, stream, gate)
+    d = sources[0].shape[-1]
+    v = torch.stack([s.float() for s in sources])  # [N, ..., d]
+    rstd = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    keys = v * rstd * gain.float()
+    scores = (keys * query.float()).unflatten(-1, (heads, d // heads)).sum(-1)  # [N, ..., H]
+    weights = torch.softmax(scores, dim=0)
+    routed = (weights.unsqueeze(-1) * v.unflatten(-1, (heads, d // heads))).sum(0).flatten(-2)
+    if stream is not None:
+        out = (stream.float() + gate.float() * routed).to(stream.dtype)
+    else:
+        dtype = sources[0].dtype
+        for s in sources[1:]:
+            dtype = torch.promote_types(dtype, s.dtype)
+        out = routed.to(dtype)
+    return (out, weights) if return_weights else out

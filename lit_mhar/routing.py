@@ -1,0 +1,109 @@
+"""Depth routing: the depth history a routing site reads, and the routing site itself.
+
+Sources (Attention Residuals, Kimi, eqs. 2-6; Block AttnRes, Sec. 3):
+- full routing (S = 1): v_0 = token embedding, v_i = raw output of sublayer i-1;
+- block routing (S > 1): b_0 = embedding, b_n = sum of the outputs of the n-th completed block
+  of S sublayers, plus the partial sum of the block in progress once it has started.
+For the Delta form (Delta AttnRes) the same sources are the residual stream's deltas: a block sum
+is exactly the stream at the block's end minus the stream at its start.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from lit_mhar.kernels import depth_route
+
+
+class DepthHistory:
+    """The sources routing sites read: embedding, completed block sums, partial block.
+
+    Block boundaries come from the sublayer index: sublayer ``l`` closes its block when
+    ``(l + 1) % block_size == 0``. A model whose 2L sublayers are not a multiple of S ends on a
+    shorter block, which the final routing site sees as the partial block.
+
+    Args:
+        embedding: ``[..., d]`` token embedding (source 0).
+        block_size: S >= 1 sublayers per block.
+    """
+
+    def __init__(self, embedding: Tensor, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"DepthHistory: block_size={block_size} must be >= 1")
+        self.block_size = block_size
+        self.blocks: list[Tensor] = [embedding]
+        self.partial: Optional[Tensor] = None
+        self.n_appended = 0
+
+    def sources(self) -> list[Tensor]:
+        """Sources visible to the next routing site, oldest first (N = 1 + completed + started)."""
+        return self.blocks if self.partial is None else [*self.blocks, self.partial]
+
+    def append(self, output: Tensor, sublayer: int) -> None:
+        """Record the raw output ``[..., d]`` of sublayer ``sublayer`` (0-based, in order)."""
+        if sublayer != self.n_appended:
+            raise ValueError(f"DepthHistory: got sublayer {sublayer}, expected {self.n_appended} (sublayers run in order)")
+        self.partial = output if self.partial is None else self.partial + output
+        self.n_appended += 1
+        if self.n_appended % self.block_size == 0:
+            self.blocks.append(self.partial)
+            self.partial = None
+
+
+class RoutingSite(nn.Module):
+    """One routing site: a pseudo-query, a key-RMSNorm gain and, for the Delta form, an output gate.
+
+    Replacement form (AttnRes / MHAR): ``h_l = sum_i alpha_i v_i``.
+    Additive form (Delta AttnRes): ``h_l = stream + gate * sum_i alpha_i v_i``.
+    The query starts at zero (uniform weights at step 0, AttnRes Sec. 3); the gate starts at zero
+    so a fresh Delta model computes exactly what the prenorm model with the same weights computes.
+
+    Args:
+        d_model: width d.
+        heads: routing heads H (MHAR), dividing d.
+        additive: True for the Delta form (adds the gate parameter).
+        eps: key RMSNorm epsilon.
+    """
+
+    def __init__(self, d_model: int, heads: int, additive: bool, eps: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.eps = eps
+        self.query = nn.Parameter(torch.zeros(d_model))
+        self.key_gain = nn.Parameter(torch.ones(d_model))
+        self.gate = nn.Parameter(torch.zeros(d_model)) if additive else None
+
+    def forward(
+        self, history: DepthHistory, stream: Optional[Tensor] = None, return_weights: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Routed input ``[..., d]`` for the next sublayer; with ``return_weights`` also ``[N, ..., H]`` float32."""
+        return depth_route(
+            history.sources(),
+            self.query,
+            self.key_gain,
+            self.heads,
+            stream=stream if self.gate is not None else None,
+            gate=self.gate,
+            eps=self.eps,
+            return_weights=return_weights,
+        )
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.query)
+        nn.init.ones_(self.key_gain)
+        if self.gate is not None:
+            nn.init.zeros_(self.gate)
+
+
+def routing_stats(weights: Tensor) -> tuple[Tensor, Tensor]:
+    """Collapse diagnostics of one site's routing weights ``[N, ..., H]`` (float32).
+
+    Returns (mean over tokens and heads of the max weight over sources, mean entropy in nats).
+    """
+    w = weights.float()
+    max_weight = w.amax(0).mean()
+    entropy = -(w * torch.log(w.clamp_min(1e-12))).sum(0).mean()
+    return max_weight, entropy
