@@ -10,7 +10,7 @@ One op serves every routed residual variant (AttnRes, Block AttnRes, MHAR, Delta
     out         = stream + gate * r        (additive form, Delta AttnRes)
 
 Head h owns the contiguous channel slice [h*d/H, (h+1)*d/H) (MHAR); H = 1 is AttnRes exactly.
-All arithmetic is float32 whatever the input dtype.
+Arithmetic is float32 for half-precision inputs (float64 inputs stay float64, for tests).
 """
 
 from __future__ import annotations
@@ -80,24 +80,26 @@ def depth_route(
     Returns:
         ``out`` of shape ``[..., d]``: ``r`` (replacement) or ``stream + gate * r`` (additive), in
         the dtype of ``stream`` when given, else the promoted dtype of the sources. With
-        ``return_weights``, also ``weights`` ``[N, ..., H]`` float32, summing to 1 over N.
+        ``return_weights``, also ``weights`` ``[N, ..., H]``, summing to 1 over N, float32
+        (float64 when the sources are float64).
 
     Raises:
         ValueError: empty sources, mismatched shapes, H not dividing d, a stream without a gate.
     """
     check_route_args(sources, query, gain, heads, stream, gate)
     d = sources[0].shape[-1]
-    v = torch.stack([s.float() for s in sources])  # [N, ..., d]
+    dtype = sources[0].dtype
+    for s in sources[1:]:
+        dtype = torch.promote_types(dtype, s.dtype)
+    math_dtype = torch.promote_types(dtype, torch.float32)
+    v = torch.stack([s.to(math_dtype) for s in sources])  # [N, ..., d]
     rstd = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-    keys = v * rstd * gain.float()
-    scores = (keys * query.float()).unflatten(-1, (heads, d // heads)).sum(-1)  # [N, ..., H]
+    keys = v * rstd * gain.to(math_dtype)
+    scores = (keys * query.to(math_dtype)).unflatten(-1, (heads, d // heads)).sum(-1)  # [N, ..., H]
     weights = torch.softmax(scores, dim=0)
     routed = (weights.unsqueeze(-1) * v.unflatten(-1, (heads, d // heads))).sum(0).flatten(-2)
     if stream is not None:
-        out = (stream.float() + gate.float() * routed).to(stream.dtype)
+        out = (stream.to(math_dtype) + gate.to(math_dtype) * routed).to(stream.dtype)
     else:
-        dtype = sources[0].dtype
-        for s in sources[1:]:
-            dtype = torch.promote_types(dtype, s.dtype)
         out = routed.to(dtype)
     return (out, weights) if return_weights else out
