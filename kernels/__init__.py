@@ -1,7 +1,9 @@
 """Depth-routing kernels and their dispatcher.
 
-``depth_route`` runs the fused Triton kernel for CUDA tensors when one is available and the
-plain PyTorch reference otherwise. ``use_backend`` forces one path (tests, benchmarks).
+``depth_route`` (and the two phases of Block AttnRes, ``route_sites`` and ``merge_route``) run the
+fused Triton kernels for CUDA tensors and the plain PyTorch reference otherwise. ``use_backend``
+forces one path: ``use_backend("triton")`` runs the Triton kernels on CPU tensors too, in Triton's
+interpreter (tests). The environment variable ``LIT_MHAR_ROUTING_BACKEND`` sets the default.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ import contextlib
 import os
 from typing import Iterator
 
+from torch import Tensor
+
+from lit_mhar.kernels import reference
 from lit_mhar.kernels.reference import check_route_args
 from lit_mhar.kernels.reference import depth_route as reference_depth_route
 
@@ -37,9 +42,56 @@ def use_backend(name: str) -> Iterator[None]:
         _backend = previous
 
 
+def resolve_backend(like: Tensor) -> str:
+    """``"triton"`` or ``"reference"``: the path a call with tensors like ``like`` takes now."""
+    if _backend == "triton" or (_backend == "auto" and like.is_cuda):
+        return "triton"
+    return "reference"
+
+
+def _impl(like: Tensor):
+    if resolve_backend(like) == "triton":
+        from lit_mhar.kernels import triton_routing  # imported on first use: Triton is not needed otherwise
+
+        return triton_routing
+    return reference
+
+
 def depth_route(sources, query, gain, heads=1, stream=None, gate=None, eps=1e-6, return_weights=False):
     """Dispatching depth routing; same signature and semantics as :func:`lit_mhar.kernels.reference.depth_route`."""
-    return reference_depth_route(sources, query, gain, heads, stream, gate, eps, return_weights)
+    if len(sources) == 0:
+        check_route_args(sources, query, gain, heads, stream, gate)
+    return _impl(sources[0]).depth_route(sources, query, gain, heads, stream, gate, eps, return_weights)
 
 
-__all__ = ["depth_route", "reference_depth_route", "check_route_args", "use_backend", "get_backend", "BACKENDS"]
+def route_sites(sources, queries, gains, heads=1, eps=1e-6):
+    """Dispatching first phase of two-phase Block AttnRes; see :func:`lit_mhar.kernels.reference.route_sites`."""
+    if len(sources) == 0:
+        check_route_args(sources, queries[0], gains[0], heads, None, None)
+    return _impl(sources[0]).route_sites(sources, queries, gains, heads, eps)
+
+
+def merge_route(sources, query, gain, heads, prior_out, prior_lse, stream=None, gate=None, eps=1e-6):
+    """Dispatching second phase (online-softmax merge); see :func:`lit_mhar.kernels.reference.merge_route`."""
+    return _impl(prior_out).merge_route(sources, query, gain, heads, prior_out, prior_lse, stream, gate, eps)
+
+
+def max_sites_per_pass(d: int, heads: int = 1) -> int:
+    """Sites one fused pass of :func:`route_sites` can take at width ``d`` (the Triton kernel's register budget)."""
+    from lit_mhar.kernels import triton_routing
+
+    return triton_routing.max_sites_per_pass(d, heads)
+
+
+__all__ = [
+    "depth_route",
+    "route_sites",
+    "merge_route",
+    "max_sites_per_pass",
+    "reference_depth_route",
+    "check_route_args",
+    "use_backend",
+    "get_backend",
+    "resolve_backend",
+    "BACKENDS",
+]

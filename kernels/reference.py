@@ -103,3 +103,90 @@ def depth_route(
     else:
         out = routed.to(dtype)
     return (out, weights) if return_weights else out
+
+
+def route_sites(
+    sources: Sequence[Tensor], queries: Tensor, gains: Tensor, heads: int = 1, eps: float = 1e-6
+) -> tuple[list[Tensor], Tensor]:
+    """First phase of two-phase Block AttnRes: S routing sites against the same sources.
+
+    The pseudo-queries do not depend on the input, so every site of a block can be routed against
+    the completed blocks before the block runs (AttnRes, Sec. 4: batched inter-block attention).
+
+    Args:
+        sources: N >= 1 tensors ``[..., d]`` (the completed block sums).
+        queries, gains: ``[S, d]``: pseudo-query and key-norm gain of each site.
+        heads, eps: as in :func:`depth_route`.
+
+    Returns:
+        ``(outs, lse)``: S routed values ``[..., d]`` (promoted source dtype) and the log-sum-exp of
+        the scores ``[S, ..., H]`` (float32; float64 for float64 sources), which
+        :func:`merge_route` needs to add more sources exactly.
+
+    Raises:
+        ValueError: as :func:`depth_route`, or queries/gains not ``[S, d]``.
+    """
+    if queries.dim() != 2 or gains.shape != queries.shape:
+        raise ValueError(f"route_sites: queries {tuple(queries.shape)} and gains {tuple(gains.shape)} must both be [S, d]")
+    outs, lses = [], []
+    for q, g in zip(queries, gains):
+        check_route_args(sources, q, g, heads, None, None)
+        out, scores = _route_with_prior(sources, q, g, heads, None, None, eps)
+        outs.append(out)
+        lses.append(torch.logsumexp(scores, dim=0))
+    return outs, torch.stack(lses)
+
+
+def merge_route(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    gain: Tensor,
+    heads: int,
+    prior_out: Tensor,
+    prior_lse: Tensor,
+    stream: Optional[Tensor] = None,
+    gate: Optional[Tensor] = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Second phase: route over {the sources behind ``prior_out``} and ``sources`` exactly.
+
+    ``prior_out`` ``[..., d]`` with ``prior_lse`` ``[..., H]`` (from :func:`route_sites`) enters the
+    softmax as one more source whose score is ``prior_lse`` (online-softmax merge), so
+    ``merge_route(B, q, g, H, *route_sites(A, q[None], g[None], H))`` equals
+    ``depth_route(A + B, q, g, H)``. ``sources`` may be empty (then ``out = prior_out``, or
+    ``stream + gate * prior_out``).
+
+    Returns:
+        ``[..., d]`` in the dtype of ``stream`` when given, else of ``prior_out`` promoted with the sources.
+    """
+    if sources:
+        check_route_args(sources, query, gain, heads, stream, gate)
+    elif (stream is None) != (gate is None):
+        raise ValueError("merge_route: stream and gate go together (additive form) or are both None")
+    out, _ = _route_with_prior(sources, query, gain, heads, (prior_out, prior_lse), (stream, gate), eps)
+    return out
+
+
+def _route_with_prior(sources, query, gain, heads, prior, additive, eps):
+    """Routed output and the scores ``[N(+1), ..., H]``; the prior, if any, is score row 0."""
+    like = sources[0] if sources else prior[0]
+    d = like.shape[-1]
+    dtype = like.dtype
+    for s in list(sources) + ([prior[0]] if prior is not None else []):
+        dtype = torch.promote_types(dtype, s.dtype)
+    math_dtype = torch.promote_types(dtype, torch.float32)
+    values = [s.to(math_dtype) for s in sources]
+    scores = []
+    for v in values:
+        keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * gain.to(math_dtype)
+        scores.append((keys * query.to(math_dtype)).unflatten(-1, (heads, d // heads)).sum(-1))
+    if prior is not None:
+        values.insert(0, prior[0].to(math_dtype))
+        scores.insert(0, prior[1].to(math_dtype))
+    scores = torch.stack(scores)
+    weights = torch.softmax(scores, dim=0)
+    routed = (weights.unsqueeze(-1) * torch.stack(values).unflatten(-1, (heads, d // heads))).sum(0).flatten(-2)
+    if additive is not None and additive[0] is not None:
+        stream, gate = additive
+        return (stream.to(math_dtype) + gate.to(math_dtype) * routed).to(stream.dtype), scores
+    return routed.to(dtype), scores

@@ -1,0 +1,588 @@
+"""Fused Triton depth routing: one pass over the sources forward, two recomputing passes backward.
+
+Same math as :mod:`lit_mhar.kernels.reference` (AttnRes eqs. 2-6, MHAR heads, Delta AttnRes's
+additive form), extended in two ways that the model's Block AttnRes path uses:
+
+* **several sites per pass** (``S`` queries against the same sources): Block AttnRes's pseudo-queries
+  do not depend on the input, so every site of a block can be routed against the completed blocks
+  while each completed block is read once (the first phase of the two-phase computation);
+* **a prior**: a routed value ``o`` with its log-sum-exp ``lse`` per head, merged as if it were one
+  more source whose score is ``lse`` (the second, online-softmax phase, which adds the block in
+  progress). Merging is exact: softmax over {completed blocks, partial} equals the lse-weighted mix
+  of the softmax over the completed blocks and the partial.
+
+Forward, per tile of ``BM`` tokens and for every site at once, one loop over the sources:
+``rstd_i`` (key RMSNorm), the per-head score ``s_i = rstd_i * <q*g, v_i>_h`` and an online softmax
+in float32; normalised keys are never written. Saved for backward: the log-sum-exp ``[S, M, H]``
+float32 (4 bytes per token and head), nothing of size ``[N, M, d]``. Backward recomputes
+``rstd``, ``s`` and ``alpha = exp(s - lse)`` from the sources in two passes: the first forms
+``D = sum_i alpha_i <dr, v_i>_h`` (= ``<dr, r>_h``), the second writes every source gradient
+
+    ds_i = alpha_i * (<dr, v_i>_h - D + dlse)
+    dv_i = alpha_i * dr + rstd_i * (ds_i * w - rstd_i * v_i * sum_h ds_i s_i / d)
+    dw  += sum_tokens ds_i * rstd_i * v_i        (w = q * g; dq = dw * g, dg = dw * q)
+
+``dw`` (and the gate's gradient) are summed over tokens per persistent program in registers and
+written as ``[programs, S, d]`` partials that a fixed-order ``sum`` reduces: no atomics, so two
+runs give bit-identical gradients. Sources are addressed through a table of int64 element offsets
+from the first source (no ``torch.stack``); every row offset is int64, so ``N * tokens * d`` may
+exceed ``2**31``.
+
+On CPU tensors the kernels run in Triton's interpreter (for tests, through ``use_backend("triton")``);
+on CUDA tensors they are compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lit_mhar.kernels.reference import check_route_args
+
+# Largest padded width (next power of two of d) one program keeps in registers.
+MAX_BLOCK_D = 16384
+# Register budget of one program: sites x tokens x padded width fp32 elements of the accumulator
+# (forward) and of the gradient tile (backward). Eight warps hold 8192 elements in 32 registers
+# per thread for each such tensor. ``max_sites_per_pass`` follows from it.
+TILE_ELEMENTS = {"fwd": 4096, "bwd": 4096}
+MAX_TILE_ELEMENTS = 8192
+# Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
+INTERPRET_ROWS = 64
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Sums are written ``tl.reduce(x, axis, _ADD)`` and zeros ``tl.full``: ``tl.sum`` and ``tl.zeros``
+# are themselves ``@triton.jit`` functions, which the interpreter cannot call unless
+# TRITON_INTERPRET was set before Triton was imported; builtins and this combine function (which
+# the interpreter maps to ``numpy.sum``) work either way, so CPU tests need no import order.
+_ADD = tl.standard._sum_combine
+
+
+def _route_fwd(
+    src_base, src_offs, n_src,
+    w_ptr, n_sites,
+    out_base, out_offs,
+    lse_ptr,
+    stream_ptr, gate_ptr,
+    prior_ptr, prior_lse_ptr,
+    scores_ptr,
+    M, eps,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr,
+    ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, STORE_SCORES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = tl.cast(pid, tl.int64) * BM + tl.arange(0, BM)
+    offs_h = tl.arange(0, BH)
+    offs_j = tl.arange(0, BDH)
+    offs_s = tl.arange(0, BS)
+    col = offs_h[:, None] * DH + offs_j[None, :]  # [BH, BDH] channel of (head, lane)
+    cmask = (offs_h[:, None] < H) & (offs_j[None, :] < DH)
+    rmask = rows < M
+    smask = offs_s < n_sites
+    x_off = rows[:, None, None] * D + col[None, :, :]  # [BM, BH, BDH] int64
+    xmask = rmask[:, None, None] & cmask[None, :, :]
+    hm_off = rows[:, None] * H + offs_h[None, :]  # [BM, BH] int64
+    hmask = rmask[:, None] & (offs_h[None, :] < H)
+    w = tl.load(w_ptr + offs_s[:, None, None] * D + col[None, :, :], mask=smask[:, None, None] & cmask[None, :, :], other=0.0)
+
+    if HAS_PRIOR:  # the prior enters as a source with score lse_prior and value o (BS == 1)
+        m_i = tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0)[None, :, :]
+        l_i = tl.full([BS, BM, BH], 1.0, tl.float32)
+        acc = tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)[None, :, :, :]
+    else:
+        m_i = tl.full([BS, BM, BH], float("-inf"), tl.float32)
+        l_i = tl.full([BS, BM, BH], 0.0, tl.float32)
+        acc = tl.full([BS, BM, BH, BDH], 0.0, tl.float32)
+
+    for i in range(n_src):
+        off = tl.multiple_of(tl.load(src_offs + i), ALIGN)
+        v = tl.load(src_base + off + x_off, mask=xmask, other=0.0).to(tl.float32)  # [BM, BH, BDH]
+        rstd = 1.0 / tl.sqrt(tl.reduce(tl.reduce(v * v, 2, _ADD), 1, _ADD) / D + eps)  # [BM]
+        s = tl.reduce(w[:, None, :, :] * v[None, :, :, :], 3, _ADD) * rstd[None, :, None]  # [BS, BM, BH]
+        if STORE_SCORES:
+            tl.store(scores_ptr + tl.cast(i, tl.int64) * M * H + hm_off, tl.reduce(s, 0, _ADD), mask=hmask)
+        m_new = tl.maximum(m_i, s)
+        scale = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        l_i = l_i * scale + p
+        acc = acc * scale[:, :, :, None] + p[:, :, :, None] * v[None, :, :, :]
+        m_i = m_new
+
+    routed = acc / l_i[:, :, :, None]
+    tl.store(
+        lse_ptr + offs_s[:, None, None].to(tl.int64) * M * H + hm_off[None, :, :],
+        m_i + tl.log(l_i),
+        mask=smask[:, None, None] & hmask[None, :, :],
+    )
+    if ADDITIVE:  # Delta AttnRes: out = stream + gate * r (BS == 1)
+        stream = tl.load(stream_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        out = stream + gate[None, :, :] * tl.reduce(routed, 0, _ADD)
+        tl.store(out_base + x_off, out.to(out_base.dtype.element_ty), mask=xmask)
+    else:
+        o_off = tl.load(out_offs + offs_s, mask=smask, other=0)
+        tl.store(
+            out_base + o_off[:, None, None, None] + x_off[None, :, :, :],
+            routed.to(out_base.dtype.element_ty),
+            mask=smask[:, None, None, None] & xmask[None, :, :, :],
+        )
+
+
+def _route_bwd(
+    src_base, src_offs, n_src,
+    w_ptr, n_sites,
+    g_base, g_offs,
+    lse_ptr, dlse_ptr,
+    gate_ptr,
+    prior_ptr, prior_lse_ptr,
+    dsrc_ptr, dw_ptr, dgate_ptr, dprior_ptr, dprior_lse_ptr,
+    M, eps, num_tiles,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
+    ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_h = tl.arange(0, BH)
+    offs_j = tl.arange(0, BDH)
+    offs_s = tl.arange(0, BS)
+    col = offs_h[:, None] * DH + offs_j[None, :]
+    cmask = (offs_h[:, None] < H) & (offs_j[None, :] < DH)
+    smask = offs_s < n_sites
+    wmask = smask[:, None, None] & cmask[None, :, :]
+    w = tl.load(w_ptr + offs_s[:, None, None] * D + col[None, :, :], mask=wmask, other=0.0)  # [BS, BH, BDH]
+    g_off = tl.load(g_offs + offs_s, mask=smask, other=0)
+    dw_acc = tl.full([BS, BH, BDH], 0.0, tl.float32)
+    if ADDITIVE:
+        gate = tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        dgate_acc = tl.full([BH, BDH], 0.0, tl.float32)
+
+    # Persistent programs: tile pid, pid + nprog, ... so that dw is summed in registers over many
+    # tiles and each program writes one partial; the order is fixed, hence deterministic.
+    for tile in range(pid, num_tiles, nprog):
+        rows = tl.cast(tile, tl.int64) * BM + tl.arange(0, BM)
+        rmask = rows < M
+        x_off = rows[:, None, None] * D + col[None, :, :]
+        xmask = rmask[:, None, None] & cmask[None, :, :]
+        hm_off = rows[:, None] * H + offs_h[None, :]
+        hmask = rmask[:, None] & (offs_h[None, :] < H)
+        sh_off = offs_s[:, None, None].to(tl.int64) * M * H + hm_off[None, :, :]
+        shmask = smask[:, None, None] & hmask[None, :, :]
+        g_ptrs = g_base + tl.multiple_of(g_off, G_ALIGN)[:, None, None, None] + x_off[None, :, :, :]
+        dout = tl.load(g_ptrs, mask=smask[:, None, None, None] & xmask[None, :, :, :], other=0.0).to(tl.float32)
+        if ADDITIVE:
+            dr = dout * gate[None, None, :, :]
+        else:
+            dr = dout
+        lse = tl.load(lse_ptr + sh_off, mask=shmask, other=0.0)  # [BS, BM, BH]
+
+        # pass 1: D = sum_i alpha_i <dr, v_i>_h (and r itself for the gate's gradient)
+        dsum = tl.full([BS, BM, BH], 0.0, tl.float32)
+        if ADDITIVE:
+            racc = tl.full([BM, BH, BDH], 0.0, tl.float32)
+        if HAS_PRIOR:
+            po = tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
+            p_alpha = tl.exp(tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0)[None, :, :] - lse)
+            p_a = tl.reduce(dr * po[None, :, :, :], 3, _ADD)
+            dsum += p_alpha * p_a
+            if ADDITIVE:
+                racc += tl.reduce(p_alpha[:, :, :, None] * po[None, :, :, :], 0, _ADD)
+        for i in range(n_src):
+            off = tl.multiple_of(tl.load(src_offs + i), ALIGN)
+            v = tl.load(src_base + off + x_off, mask=xmask, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.reduce(tl.reduce(v * v, 2, _ADD), 1, _ADD) / D + eps)
+            s = tl.reduce(w[:, None, :, :] * v[None, :, :, :], 3, _ADD) * rstd[None, :, None]
+            alpha = tl.exp(s - lse)
+            dsum += alpha * tl.reduce(dr * v[None, :, :, :], 3, _ADD)
+            if ADDITIVE:
+                racc += tl.reduce(alpha[:, :, :, None] * v[None, :, :, :], 0, _ADD)
+        if HAS_DLSE:  # d lse_h enters every score like a constant shift of its D
+            dsum -= tl.load(dlse_ptr + sh_off, mask=shmask, other=0.0)
+        if ADDITIVE:
+            dgate_acc += tl.reduce(tl.reduce(dout, 0, _ADD) * racc, 0, _ADD)
+        if HAS_PRIOR:
+            tl.store(dprior_ptr + x_off, tl.reduce(p_alpha[:, :, :, None] * dr, 0, _ADD).to(dprior_ptr.dtype.element_ty), mask=xmask)
+            tl.store(dprior_lse_ptr + hm_off, tl.reduce(p_alpha * (p_a - dsum), 0, _ADD), mask=hmask)
+
+        # pass 2: every source gradient, and dw summed over this program's tokens
+        for i in range(n_src):
+            off = tl.multiple_of(tl.load(src_offs + i), ALIGN)
+            v = tl.load(src_base + off + x_off, mask=xmask, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.reduce(tl.reduce(v * v, 2, _ADD), 1, _ADD) / D + eps)
+            s = tl.reduce(w[:, None, :, :] * v[None, :, :, :], 3, _ADD) * rstd[None, :, None]
+            alpha = tl.where(shmask, tl.exp(s - lse), 0.0)
+            ds = alpha * (tl.reduce(dr * v[None, :, :, :], 3, _ADD) - dsum)  # [BS, BM, BH]
+            t = tl.reduce(tl.reduce(ds * s, 2, _ADD), 0, _ADD) / D  # [BM], summed over sites
+            dv = tl.reduce(alpha[:, :, :, None] * dr, 0, _ADD)  # through the weighted sum
+            dv += rstd[:, None, None] * tl.reduce(ds[:, :, :, None] * w[:, None, :, :], 0, _ADD)  # through the score
+            dv -= v * (rstd * rstd * t)[:, None, None]  # through the key's rstd
+            tl.store(dsrc_ptr + tl.cast(i, tl.int64) * M * D + x_off, dv.to(dsrc_ptr.dtype.element_ty), mask=xmask)
+            dw_acc += tl.reduce(ds[:, :, :, None] * (v * rstd[:, None, None])[None, :, :, :], 1, _ADD)
+
+    tl.store(dw_ptr + (pid * n_sites + offs_s[:, None, None]).to(tl.int64) * D + col[None, :, :], dw_acc, mask=wmask)
+    if ADDITIVE:
+        tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col, dgate_acc, mask=cmask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str, interpret: bool):
+    """The kernel ``name`` compiled for CUDA, or wrapped for Triton's interpreter (CPU tensors).
+
+    Building the interpreted version explicitly (instead of through ``TRITON_INTERPRET``) lets
+    one process run both, and does not depend on when the variable was set.
+    """
+    fn = {"fwd": _route_fwd, "bwd": _route_bwd}[name]
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(fn)
+    return triton.jit(fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _geometry(d: int, heads: int) -> tuple[int, int, int]:
+    """(BH, BDH, padded width) of the [heads, d/heads] register layout. Raises for too wide a d."""
+    bh, bdh = triton.next_power_of_2(heads), triton.next_power_of_2(d // heads)
+    if bh * bdh > MAX_BLOCK_D:
+        raise ValueError(
+            f"triton depth routing: width d={d} with heads={heads} pads to {bh * bdh} lanes per token, "
+            f"more than the {MAX_BLOCK_D} one program holds; use the reference backend"
+        )
+    return bh, bdh, bh * bdh
+
+
+def max_sites_per_pass(d: int, heads: int = 1) -> int:
+    """How many routing sites one fused pass can route against the same sources.
+
+    The per-site accumulators of a tile live in registers: sites (padded to a power of two) times
+    the padded width must stay within ``MAX_TILE_ELEMENTS``. 16 at d=512, 8 at d=1024, 4 at d=1280.
+    """
+    return max(1, MAX_TILE_ELEMENTS // _geometry(d, heads)[2])
+
+
+def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple[int, int, int, int, int]:
+    """(BS, BM, num_warps, BH, BDH) for a launch; raises ValueError for an unsupported size."""
+    bh, bdh, bd = _geometry(d, heads)
+    bs = triton.next_power_of_2(n_sites)
+    if bs * bd > MAX_TILE_ELEMENTS:
+        raise ValueError(
+            f"triton depth routing: {n_sites} sites at width d={d} (heads={heads}) in one pass need "
+            f"{bs * bd} fp32 registers per token, more than {MAX_TILE_ELEMENTS}; route at most "
+            f"{max_sites_per_pass(d, heads)} sites per pass"
+        )
+    if interpret:
+        rows = max(1, min(INTERPRET_ROWS, 65536 // (bs * bd)))
+    else:
+        rows = max(1, TILE_ELEMENTS[kind] // (bs * bd))
+    rows = 1 << (rows.bit_length() - 1)  # a power of two, rounded down
+    if interpret:
+        return bs, rows, 4, bh, bdh
+    warps = max(4, min(16, bs * rows * bd // 512))
+    return bs, rows, warps, bh, bdh
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t`` contiguous and 16-byte aligned (the kernels load 16-byte vectors through offset tables)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _offsets(tensors: Sequence[Tensor], base: Tensor) -> Tensor:
+    """int64 element offsets of ``tensors`` from ``base`` (same dtype, 16-byte aligned), on its device."""
+    size = base.element_size()
+    offs = [(t.data_ptr() - base.data_ptr()) // size for t in tensors]
+    if base.device.type == "cuda":
+        return torch.tensor(offs, dtype=torch.int64, pin_memory=True).to(base.device, non_blocking=True)
+    return torch.tensor(offs, dtype=torch.int64)
+
+
+def _check_dtypes(sources: Sequence[Tensor]) -> None:
+    for i, s in enumerate(sources):
+        if s.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"triton depth routing: sources[{i}] has dtype {s.dtype}; supported: {list(SUPPORTED_DTYPES)}")
+
+
+def _forward(
+    sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
+    stream: Optional[Tensor], gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
+    store_scores: bool,
+) -> list[Tensor]:
+    like = sources[0] if sources else prior_out
+    shape, d = like.shape, like.shape[-1]
+    n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
+    interpret = like.device.type != "cuda"
+    bs, bm, warps, bh, bdh = _tile("fwd", n_sites, d, heads, interpret)
+    srcs = [_aligned(s) for s in sources]
+    base = srcs[0] if srcs else _aligned(prior_out)
+    w = (queries.float() * gains.float()).contiguous()
+    if stream is not None:
+        outs = [torch.empty(shape, dtype=stream.dtype, device=like.device)]
+    else:
+        outs = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(n_sites)]
+    lse = torch.empty((n_sites, *shape[:-1], heads), dtype=torch.float32, device=like.device)
+    scores = torch.empty((n_src, *shape[:-1], heads) if store_scores else (0,), dtype=torch.float32, device=like.device)
+    dummy = w
+    _kernel("fwd", interpret)[(triton.cdiv(M, bm),)](
+        base, _offsets(srcs, base), n_src,
+        w, n_sites,
+        outs[0], _offsets(outs, outs[0]),
+        lse,
+        _aligned(stream) if stream is not None else dummy, gate.contiguous() if gate is not None else dummy,
+        _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
+        scores if store_scores else dummy,
+        M, eps,
+        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, BS=bs, BM=bm, ALIGN=16 // base.element_size(),
+        ADDITIVE=stream is not None, HAS_PRIOR=prior_out is not None, STORE_SCORES=store_scores,
+        num_warps=warps,
+    )
+    return [*outs, lse, scores]
+
+
+def _backward(
+    sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
+    gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
+    lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor],
+) -> list[Tensor]:
+    like = sources[0] if sources else prior_out
+    shape, d = like.shape, like.shape[-1]
+    n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
+    device = like.device
+    interpret = device.type != "cuda"
+    bs, bm, warps, bh, bdh = _tile("bwd", n_sites, d, heads, interpret)
+    num_tiles = triton.cdiv(M, bm)
+    programs = min(num_tiles, 2 if interpret else _sm_count(device.index or 0) * max(1, 16 // warps))
+    srcs = [_aligned(s) for s in sources]
+    base = srcs[0] if srcs else _aligned(prior_out)
+    grads = [_aligned(g) for g in grad_outs]
+    if any(g.dtype != grads[0].dtype for g in grads):
+        grads = [_aligned(g.to(grads[0].dtype)) for g in grads]
+    w = (queries.float() * gains.float()).contiguous()
+    dsrc = torch.empty((n_src, *shape), dtype=like.dtype, device=device)
+    dw = torch.empty((programs, n_sites, d), dtype=torch.float32, device=device)
+    dgate = torch.empty((programs, d) if gate is not None else (0,), dtype=torch.float32, device=device)
+    dprior = torch.empty(shape, dtype=prior_out.dtype, device=device) if prior_out is not None else dw.new_empty(0)
+    dprior_lse = torch.empty(prior_lse.shape if prior_lse is not None else (0,), dtype=torch.float32, device=device)
+    dummy = w
+    _kernel("bwd", interpret)[(programs,)](
+        base, _offsets(srcs, base), n_src,
+        w, n_sites,
+        grads[0], _offsets(grads, grads[0]),
+        lse.contiguous(), grad_lse.contiguous() if grad_lse is not None else dummy,
+        gate.contiguous() if gate is not None else dummy,
+        _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
+        dsrc, dw, dgate if gate is not None else dummy,
+        dprior if prior_out is not None else dummy, dprior_lse if prior_lse is not None else dummy,
+        M, eps, num_tiles,
+        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, BS=bs, BM=bm,
+        ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(),
+        ADDITIVE=gate is not None, HAS_PRIOR=prior_out is not None, HAS_DLSE=grad_lse is not None,
+        num_warps=warps,
+    )
+    dw = dw.sum(0)  # fixed-order reduction over programs: deterministic
+    q, g = queries.float(), gains.float()
+    return [
+        dsrc,
+        (dw * g).to(queries.dtype),
+        (dw * q).to(gains.dtype),
+        dgate.sum(0).to(gate.dtype) if gate is not None else dgate,
+        dprior,
+        dprior_lse,
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library ops (opaque to torch.compile) and their autograd
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("lit_mhar::route_fwd", mutates_args=())
+def route_fwd(
+    sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
+    stream: Optional[Tensor], gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
+    store_scores: bool,
+) -> list[Tensor]:
+    """Fused forward of ``S = queries.shape[0]`` routing sites over the same sources.
+
+    Args: sources N tensors ``[..., d]`` of one dtype (N may be 0 with a prior); queries, gains
+    ``[S, d]``; ``stream``/``gate`` the additive form (S = 1); ``prior_out`` ``[..., d]`` and
+    ``prior_lse`` ``[..., H]`` float32 a routed value merged as one more source (S = 1).
+
+    Returns ``[out_0 .. out_{S-1}, lse [S, ..., H] float32, scores [N, ..., H] float32 or empty]``.
+    """
+    return _forward(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores)
+
+
+@route_fwd.register_fake
+def _(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores):
+    like = sources[0] if sources else prior_out
+    lead = like.shape[:-1]
+    outs = [stream.new_empty(like.shape)] if stream is not None else [like.new_empty(like.shape) for _ in range(queries.shape[0])]
+    lse = like.new_empty((queries.shape[0], *lead, heads), dtype=torch.float32)
+    scores = like.new_empty((len(sources), *lead, heads) if store_scores else (0,), dtype=torch.float32)
+    return [*outs, lse, scores]
+
+
+@torch.library.custom_op("lit_mhar::route_bwd", mutates_args=())
+def route_bwd(
+    sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
+    gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
+    lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor],
+) -> list[Tensor]:
+    """Fused backward of :func:`route_fwd`. Returns ``[d_sources [N, ..., d], d_queries [S, d],
+    d_gains [S, d], d_gate [d] or empty, d_prior_out or empty, d_prior_lse or empty]``."""
+    return _backward(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse)
+
+
+@route_bwd.register_fake
+def _(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse):
+    like = sources[0] if sources else prior_out
+    empty = queries.new_empty(0, dtype=torch.float32)
+    return [
+        like.new_empty((len(sources), *like.shape)),
+        queries.new_empty(queries.shape),
+        gains.new_empty(gains.shape),
+        gate.new_empty(gate.shape) if gate is not None else empty,
+        prior_out.new_empty(prior_out.shape) if prior_out is not None else empty,
+        prior_lse.new_empty(prior_lse.shape) if prior_lse is not None else empty,
+    ]
+
+
+def _setup_context(ctx, inputs, output):
+    sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores = inputs
+    n_out = 1 if stream is not None else queries.shape[0]
+    ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, output[n_out], *sources)
+    ctx.heads, ctx.eps, ctx.n_out, ctx.additive = heads, eps, n_out, stream is not None
+    ctx.set_materialize_grads(False)
+
+
+def _backward_rule(ctx, grads):
+    queries, gains, gate, prior_out, prior_lse, lse, *sources = ctx.saved_tensors
+    grad_outs, grad_lse = list(grads[: ctx.n_out]), grads[ctx.n_out]
+    like = sources[0] if sources else prior_out
+    if all(g is None for g in grad_outs) and grad_lse is None:
+        return None, None, None, None, None, None, None, None, None, None
+    dtype = next(g.dtype for g in grad_outs if g is not None)
+    grad_outs = [torch.zeros(like.shape, dtype=dtype, device=like.device) if g is None else g for g in grad_outs]
+    d_src, d_q, d_g, d_gate, d_prior, d_prior_lse = route_bwd(
+        sources, queries, gains, ctx.heads, ctx.eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse
+    )
+    return (
+        list(d_src.unbind(0)),
+        d_q,
+        d_g,
+        None,
+        None,
+        grad_outs[0] if ctx.additive else None,  # d stream = d out
+        d_gate if gate is not None else None,
+        d_prior if prior_out is not None else None,
+        d_prior_lse if prior_lse is not None else None,
+        None,
+    )
+
+
+route_fwd.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions: the same signatures as lit_mhar.kernels.reference
+# ----------------------------------------------------------------------------------------------
+
+
+def _common_dtype(sources: Sequence[Tensor]) -> list[Tensor]:
+    """Sources in their promoted dtype (one element type for the offset table); a cast is a copy."""
+    _check_dtypes(sources)
+    dtype = sources[0].dtype
+    for s in sources[1:]:
+        dtype = torch.promote_types(dtype, s.dtype)
+    return [s if s.dtype == dtype else s.to(dtype) for s in sources]
+
+
+def depth_route(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    gain: Tensor,
+    heads: int = 1,
+    stream: Optional[Tensor] = None,
+    gate: Optional[Tensor] = None,
+    eps: float = 1e-6,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Fused depth routing at one site; same signature, math and docstring as
+    :func:`lit_mhar.kernels.reference.depth_route` (AttnRes eqs. 2-6, MHAR, Delta AttnRes).
+
+    Args:
+        sources: N >= 1 tensors ``[..., d]``, float32 / bfloat16 / float16 (mixed dtypes are cast
+            to the promoted one, a copy).
+        query, gain: ``[d]``. heads: H dividing d. stream, gate: the additive form, or None.
+        eps: key RMSNorm epsilon. return_weights: also return ``[N, ..., H]`` float32 weights.
+
+    Returns:
+        ``out`` ``[..., d]`` in the promoted source dtype (replacement) or the stream's dtype
+        (additive); with ``return_weights`` also the weights, which carry no gradient here.
+
+    Raises:
+        ValueError: the reference's argument errors, float64 sources, a width over the kernel's
+            register budget.
+    """
+    check_route_args(sources, query, gain, heads, stream, gate)
+    srcs = _common_dtype(sources)
+    res = torch.ops.lit_mhar.route_fwd(srcs, query[None], gain[None], heads, eps, stream, gate, None, None, return_weights)
+    if not return_weights:
+        return res[0]
+    lse, scores = res[1], res[2]
+    return res[0], torch.exp(scores - lse).detach()
+
+
+def route_sites(
+    sources: Sequence[Tensor], queries: Tensor, gains: Tensor, heads: int = 1, eps: float = 1e-6
+) -> tuple[list[Tensor], Tensor]:
+    """First phase of two-phase Block AttnRes: S sites routed against the same sources in one pass.
+
+    Same contract as :func:`lit_mhar.kernels.reference.route_sites`: ``queries``/``gains``
+    ``[S, d]``; returns S routed values ``[..., d]`` (source dtype) and their log-sum-exp
+    ``[S, ..., H]`` float32. Raises ValueError when S exceeds :func:`max_sites_per_pass`.
+    """
+    if queries.dim() != 2 or gains.shape != queries.shape:
+        raise ValueError(f"route_sites: queries {tuple(queries.shape)} and gains {tuple(gains.shape)} must both be [S, d]")
+    check_route_args(sources, queries[0], gains[0], heads, None, None)
+    srcs = _common_dtype(sources)
+    res = torch.ops.lit_mhar.route_fwd(srcs, queries, gains, heads, eps, None, None, None, None, False)
+    S = queries.shape[0]
+    return list(res[:S]), res[S]
+
+
+def merge_route(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    gain: Tensor,
+    heads: int,
+    prior_out: Tensor,
+    prior_lse: Tensor,
+    stream: Optional[Tensor] = None,
+    gate: Optional[Tensor] = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Second phase: merge a routed value ``prior_out`` (log-sum-exp ``prior_lse``) with more sources.
+
+    Same contract as :func:`lit_mhar.kernels.reference.merge_route`; ``sources`` may be empty.
+    """
+    if sources:
+        check_route_args(sources, query, gain, heads, stream, gate)
+    srcs = _common_dtype(sources) if sources else []
+    return torch.ops.lit_mhar.route_fwd(
+        srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False
+    )[0]
