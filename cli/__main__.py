@@ -1,0 +1,5 @@
+import sys
+
+from lit_mhar.cli import main
+
+sys.exit(main())

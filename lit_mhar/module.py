@@ -1,0 +1,168 @@
+"""The LightningModule that trains every residual variant."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lit_mhar.config import ModelConfig
+from lit_mhar.model import LM
+from lit_mhar.routing import routing_stats
+
+# Dense bf16 peak of the GPUs we know, in FLOP/s (vendor datasheets, SXM parts), for MFU.
+PEAK_BF16_FLOPS: dict[str, float] = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    """Datasheet dense bf16 FLOP/s of ``device``, or None for CPUs and unknown GPUs (no MFU then)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+class LitLM(L.LightningModule):
+    """Next-token language modelling for every residual variant (prenorm, AttnRes, MHAR, Delta).
+
+    Batches are int64 token ids ``[B, T + 1]``; inputs are the first T, targets the last T.
+    Logs ``train/loss``, ``val/loss`` (the validation loss, nats per token), ``perf/tokens_per_s``,
+    ``perf/mfu`` (on GPUs with a known peak; FLOPs from :meth:`LM.flops_per_token`),
+    ``perf/peak_memory_gb`` (``torch.cuda.max_memory_allocated``) and, every
+    ``routing_log_every_n_steps`` steps, ``routing/site_XX/max_weight`` and ``.../entropy``.
+
+    Args:
+        config: the model: preset name, residual variant, heads H, block size S and overrides.
+        lr: peak learning rate of AdamW.
+        min_lr_ratio: the cosine schedule decays to ``lr * min_lr_ratio``.
+        warmup_steps: linear warm-up steps from 0 to ``lr``.
+        weight_decay: AdamW weight decay on matrices (not on norms, embeddings-free vectors or routing parameters).
+        betas: AdamW betas.
+        adam_eps: AdamW epsilon.
+        routing_lr_multiplier: the routing parameters (pseudo-queries, key gains, gates) train at
+            ``lr * routing_lr_multiplier`` (Delta AttnRes fine-tuning used about 100x).
+        routing_log_every_n_steps: how often routing statistics are computed and logged (0: never).
+        compile: ``torch.compile`` the model.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        lr: float = 5e-4,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 100,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        adam_eps: float = 1e-8,
+        routing_lr_multiplier: float = 1.0,
+        routing_log_every_n_steps: int = 50,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        if lr <= 0 or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0 or routing_lr_multiplier <= 0:
+            raise ValueError(
+                f"LitLM: need lr > 0 (got {lr}), 0 <= min_lr_ratio <= 1 (got {min_lr_ratio}), "
+                f"warmup_steps >= 0 (got {warmup_steps}), routing_lr_multiplier > 0 (got {routing_lr_multiplier})"
+            )
+        self.save_hyperparameters()
+        self.config = config
+        self.model = LM(config)
+        self._forward = torch.compile(self.model) if compile else self.model
+        self._window_start: Optional[float] = None
+        self._window_tokens = self._window_batches = 0
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Logits ``[B, T, V]`` for token ids ``[B, T]``."""
+        return self._forward(idx)
+
+    def _loss(self, batch: Tensor) -> Tensor:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = self(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        every = self.hparams.routing_log_every_n_steps
+        if self.config.routed and every and self.global_step % every == 0:
+            self._log_routing(batch[:, :-1])
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Tensor, batch_idx: int) -> None:
+        # Throughput over windows of log_every_n_steps optimizer steps, synchronising only at window
+        # ends so the GPU queue is not drained every step; validation restarts the window.
+        self._window_tokens += batch[:, :-1].numel()
+        self._window_batches += 1
+        if self._window_start is not None and self._window_batches < self.trainer.log_every_n_steps * self.trainer.accumulate_grad_batches:
+            return
+        if batch.is_cuda:
+            torch.cuda.synchronize(batch.device)
+        now = time.perf_counter()
+        if self._window_start is not None:
+            tokens_per_s = self._window_tokens * self.trainer.world_size / (now - self._window_start)
+            self.log("perf/tokens_per_s", tokens_per_s)
+            peak = peak_flops(batch.device)
+            if peak:
+                per_device = tokens_per_s / self.trainer.world_size
+                self.log("perf/mfu", self.model.flops_per_token(batch.shape[1] - 1) * per_device / peak)
+        if batch.is_cuda:
+            self.log("perf/peak_memory_gb", torch.cuda.max_memory_allocated(batch.device) / 2**30)
+        self._window_start, self._window_tokens, self._window_batches = now, 0, 0
+
+    def on_validation_end(self) -> None:
+        self._window_start, self._window_tokens, self._window_batches = None, 0, 0
+
+    @torch.no_grad()
+    def _log_routing(self, inputs: Tensor) -> None:
+        """Max routing weight and entropy (nats) per routing site, on the current batch."""
+        _, weights = self.model(inputs, return_routing=True)
+        for site, w in enumerate(weights):
+            max_weight, entropy = routing_stats(w)
+            self.log(f"routing/site_{site:02d}/max_weight", max_weight)
+            self.log(f"routing/site_{site:02d}/entropy", entropy)
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("test/loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        routing = {id(p) for p in self.model.routing_parameters()}
+        decay, no_decay, route = [], [], []
+        for name, p in self.model.named_parameters():
+            if id(p) in routing:
+                route.append(p)
+            elif p.dim() >= 2 and name != "embed.weight":
+                decay.append(p)
+            else:
+                no_decay.append(p)
+        groups = [
+            {"params": decay, "weight_decay": hp.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+            {"params": route, "weight_decay": 0.0, "lr": hp.lr * hp.routing_lr_multiplier},
+        ]
+        groups = [g for g in groups if g["params"]]
+        fused = self.device.type == "cuda"
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.adam_eps, fused=fused)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = min(hp.warmup_steps, total)
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,104 @@
+"""The ``lit-mhar`` command line, run for real on small real data (stdlib files) in tmp_path."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_mhar.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").rglob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory) -> Path:
+    """A tiny dataset from a few real stdlib modules, prepared through the CLI."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [str(stdlib / "json" / name) for name in ("__init__.py", "decoder.py", "encoder.py", "scanner.py", "tool.py")]
+    files += [str(stdlib / name) for name in ("textwrap.py", "shlex.py", "colorsys.py", "bisect.py", "heapq.py")]
+    out = tmp_path_factory.mktemp("corpus") / "data"
+    args = ["prepare", "--output_dir", str(out), "--source", "files", "--vocab_size", "400", "--val_fraction", "0.3", "--chunk_bytes", "64KB", "--files", json.dumps(files)]
+    assert main(args) == 0
+    assert (out / "manifest.json").is_file()
+    return out
+
+
+def fit_args(data: Path, tmp: Path, *extra: str) -> list[str]:
+    return [
+        "fit", "--config", str(ROOT / "configs" / "debug.yaml"),
+        "--data.data_dir", str(data), "--data.seq_len", "32", "--data.batch_size", "4",
+        "--model.config.d_model", "32", "--model.config.n_layer", "2", "--model.config.ffn_dim", "64",
+        "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
+        "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(tmp / "runs"),
+        "--trainer.logger.init_args.tracking_uri", f"sqlite:///{tmp / 'mlflow.db'}",
+        "--trainer.logger.init_args.artifact_location", str(tmp / "artifacts"),
+        "--model.routing_log_every_n_steps", "2",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_config_parses(config, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(ROOT / config), "--print_config"])
+    assert exit_.value.code == 0
+    printed = capsys.readouterr().out
+    assert "residual:" in printed and "block_size:" in printed
+
+
+def test_top_level_help_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for verb in ("fit", "validate", "test", "prepare"):
+        assert f"  {verb} " in out
+
+
+def test_unknown_command_is_refused_with_the_valid_ones(capsys):
+    assert main(["train"]) == 2
+    assert "unknown command 'train'" in capsys.readouterr().err
+
+
+def test_bad_model_value_fails_before_training(small_corpus, tmp_path):
+    with pytest.raises((ValueError, SystemExit)) as err:
+        main(fit_args(small_corpus, tmp_path, "--model.config.residual", "attnres", "--model.config.heads", "3"))
+    assert "heads" in str(err.value) or err.type is SystemExit
+    assert not (tmp_path / "runs").exists()
+
+
+def test_fit_trains_every_variant_family_and_logs_the_run_to_mlflow(small_corpus, tmp_path):
+    import mlflow
+
+    main(fit_args(small_corpus, tmp_path, "--model.config.residual", "attnres", "--model.config.heads", "4", "--model.config.block_size", "3"))
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("lit-mhar").experiment_id])
+    assert run.info.status == "FINISHED"
+    for key in ("train/loss", "val/loss", "perf/tokens_per_s", "routing/site_00/max_weight", "routing/site_04/entropy"):
+        assert key in run.data.metrics, f"{key} not logged"
+    # the model's vocabulary came from the data, not from a default
+    vocab = json.loads((small_corpus / "manifest.json").read_text())["vocab_size"]
+    assert run.data.params["config/vocab_size"] == str(vocab) and run.data.params["config/heads"] == "4"
+    assert run.data.tags["lit_mhar.git_commit"] and run.data.tags["version.torch"] == torch.__version__
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert "config.yaml" in artifacts
+    config = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))).read_text()
+    assert "block_size: 3" in config and f"vocab_size: {vocab}" not in config.split("model:")[0]
+    ckpts = list((tmp_path / "runs").rglob("*.ckpt"))
+    assert len(ckpts) == 1 and (ckpts[0].parent.parent / "config.yaml").is_file()
+
+
+def test_fit_resumes_from_a_checkpoint_where_it_stopped(small_corpus, tmp_path):
+    main(fit_args(small_corpus, tmp_path, "--model.config.residual", "delta", "--model.config.heads", "2", "--trainer.max_steps", "3"))
+    (ckpt,) = (tmp_path / "runs").rglob("*.ckpt")
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    assert state["global_step"] == 3
+    main(fit_args(small_corpus, tmp_path, "--model.config.residual", "delta", "--model.config.heads", "2", "--ckpt_path", str(ckpt)))
+    resumed = [p for p in (tmp_path / "runs").rglob("*.ckpt") if p != ckpt]
+    assert len(resumed) == 1
+    assert torch.load(resumed[0], map_location="cpu", weights_only=False)["global_step"] == 6
+    assert ckpt.is_file(), "the checkpoint resumed from must not be touched"
