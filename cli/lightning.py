@@ -11,6 +11,7 @@ from typing import Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 
@@ -86,8 +87,14 @@ class LitMharCLI(LightningCLI):
         # Known only once the data is prepared: the tokenizer's vocabulary and the sequence length.
         parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.seq_len", "model.config.seq_len", apply_on="instantiate")
+        # `--checkpoint.*`: keep the best checkpoint by validation loss and always the last one.
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults(
             {
+                "checkpoint.monitor": "val/loss",
+                "checkpoint.mode": "min",
+                "checkpoint.save_top_k": 1,
+                "checkpoint.save_last": True,
                 "trainer.logger": {
                     "class_path": "lightning.pytorch.loggers.MLFlowLogger",
                     "init_args": {"experiment_name": DEFAULT_EXPERIMENT, "tracking_uri": tracking_uri()},

@@ -88,17 +88,18 @@ def test_fit_trains_every_variant_family_and_logs_the_run_to_mlflow(small_corpus
     assert "config.yaml" in artifacts
     config = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))).read_text()
     assert "block_size: 3" in config and f"vocab_size: {vocab}" not in config.split("model:")[0]
-    ckpts = list((tmp_path / "runs").rglob("*.ckpt"))
-    assert len(ckpts) == 1 and (ckpts[0].parent.parent / "config.yaml").is_file()
+    ckpts = sorted(p.name for p in (tmp_path / "runs").rglob("*.ckpt"))
+    assert len(ckpts) == 2 and "last.ckpt" in ckpts, ckpts  # the best by val/loss and the last
+    assert (next((tmp_path / "runs").rglob("last.ckpt")).parent.parent / "config.yaml").is_file()
 
 
 def test_fit_resumes_from_a_checkpoint_where_it_stopped(small_corpus, tmp_path):
     main(fit_args(small_corpus, tmp_path, "--model.config.residual", "delta", "--model.config.heads", "2", "--trainer.max_steps", "3"))
-    (ckpt,) = (tmp_path / "runs").rglob("*.ckpt")
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
-    assert state["global_step"] == 3
+    (ckpt,) = (tmp_path / "runs").rglob("last.ckpt")
+    before = ckpt.read_bytes()
+    assert torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"] == 3
     main(fit_args(small_corpus, tmp_path, "--model.config.residual", "delta", "--model.config.heads", "2", "--ckpt_path", str(ckpt)))
-    resumed = [p for p in (tmp_path / "runs").rglob("*.ckpt") if p != ckpt]
-    assert len(resumed) == 1
+    resumed = [p for p in (tmp_path / "runs").rglob("last.ckpt") if p != ckpt]
+    assert len(resumed) == 1, "a resumed fit is a new run with its own checkpoint folder"
     assert torch.load(resumed[0], map_location="cpu", weights_only=False)["global_step"] == 6
-    assert ckpt.is_file(), "the checkpoint resumed from must not be touched"
+    assert ckpt.read_bytes() == before, "the checkpoint resumed from must not be touched"
