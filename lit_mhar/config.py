@@ -42,6 +42,11 @@ class ModelConfig:
         n_layer: Transformer layers L; the model has 2L sublayers (attention, MLP).
         n_head: Attention heads.
         n_kv_head: Key/value heads for grouped-query attention; must divide n_head.
+        head_dim: Width of each attention head (even, for RoPE). None: d_model / n_head. Set it
+            for models whose heads are not d_model / n_head wide, such as Qwen3-0.6B (d_model
+            1024, 16 heads of 128).
+        qk_norm: RMSNorm over each head's queries and keys before RoPE (Qwen3). False for
+            Llama-style attention, which has none.
         ffn_dim: Hidden width of the SwiGLU MLP.
         rope_base: RoPE base frequency.
         norm_eps: Epsilon of every RMSNorm, the routing key norm included.
@@ -58,7 +63,9 @@ class ModelConfig:
     n_layer: Optional[int] = None
     n_head: Optional[int] = None
     n_kv_head: Optional[int] = None
+    head_dim: Optional[int] = None
     ffn_dim: Optional[int] = None
+    qk_norm: bool = True
     rope_base: float = 1_000_000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -80,10 +87,16 @@ class ModelConfig:
                 f"ModelConfig.heads={self.heads} must divide d_model={self.d_model}; "
                 f"valid: {[h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and h <= 64]}"
             )
-        if self.d_model % self.n_head:
-            raise ValueError(f"ModelConfig.n_head={self.n_head} must divide d_model={self.d_model}")
-        if (self.d_model // self.n_head) % 2:
-            raise ValueError(f"ModelConfig: head dim d_model/n_head={self.d_model // self.n_head} must be even for RoPE")
+        if self.head_dim is None:
+            if self.d_model % self.n_head:
+                raise ValueError(
+                    f"ModelConfig.n_head={self.n_head} must divide d_model={self.d_model} (or set head_dim)"
+                )
+            self.head_dim = self.d_model // self.n_head
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim!r} must be an even integer >= 2 (RoPE rotates pairs)")
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"ModelConfig.qk_norm={self.qk_norm!r} must be true or false")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"ModelConfig.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
         if self.residual == "prenorm" and (self.heads != 1 or self.block_size != 1):
@@ -106,10 +119,6 @@ class ModelConfig:
     def n_sublayers(self) -> int:
         """Sublayers (attention and MLP each count one): 2L."""
         return 2 * self.n_layer
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
 
     @property
     def routed(self) -> bool:

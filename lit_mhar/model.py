@@ -33,7 +33,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with QK-RMSNorm and RoPE. ``[B, T, d] -> [B, T, d]``."""
+    """Causal grouped-query self-attention with QK-RMSNorm (unless ``cfg.qk_norm`` is False) and RoPE. ``[B, T, d] -> [B, T, d]``."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -42,8 +42,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
-        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
-        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+        # QK-RMSNorm (Qwen3); Llama-style attention has none (cfg.qk_norm = False)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, _ = x.shape
