@@ -55,6 +55,9 @@ MAX_TILE_ELEMENTS = 8192
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Tests set this to fill every kernel output with NaN before the launch, so that an element the
+# kernel fails to write cannot pass as a plausible value.
+POISON_OUTPUTS = False
 # Sums are written ``tl.reduce(x, axis, _ADD)`` and zeros ``tl.full``: ``tl.sum`` and ``tl.zeros``
 # are themselves ``@triton.jit`` functions, which the interpreter cannot call unless
 # TRITON_INTERPRET was set before Triton was imported; builtins and this combine function (which
@@ -99,9 +102,14 @@ def _route_fwd(
         l_i = tl.full([BS, BM, BH], 0.0, tl.float32)
         acc = tl.full([BS, BM, BH, BDH], 0.0, tl.float32)
 
+    # Sources are loaded one iteration ahead so that two tiles are in flight per program.
+    # (the offset table has one spare entry; a load past the last source is masked off by rows)
+    off = tl.multiple_of(tl.load(src_offs), ALIGN)
+    v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0))[:, None, None] & cmask[None, :, :], other=0.0)
     for i in range(n_src):
-        off = tl.multiple_of(tl.load(src_offs + i), ALIGN)
-        v = tl.load(src_base + off + x_off, mask=xmask, other=0.0).to(tl.float32)  # [BM, BH, BDH]
+        v = v_next.to(tl.float32)  # [BM, BH, BDH]
+        off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
+        v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0))[:, None, None] & cmask[None, :, :], other=0.0)
         rstd = 1.0 / tl.sqrt(tl.reduce(tl.reduce(v * v, 2, _ADD), 1, _ADD) / D + eps)  # [BM]
         s = tl.reduce(w[:, None, :, :] * v[None, :, :, :], 3, _ADD) * rstd[None, :, None]  # [BS, BM, BH]
         if STORE_SCORES:
@@ -192,9 +200,12 @@ def _route_bwd(
             dsum += p_alpha * p_a
             if ADDITIVE:
                 racc += tl.reduce(p_alpha[:, :, :, None] * po[None, :, :, :], 0, _ADD)
+        off = tl.multiple_of(tl.load(src_offs), ALIGN)
+        v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0))[:, None, None] & cmask[None, :, :], other=0.0)
         for i in range(n_src):
-            off = tl.multiple_of(tl.load(src_offs + i), ALIGN)
-            v = tl.load(src_base + off + x_off, mask=xmask, other=0.0).to(tl.float32)
+            v = v_next.to(tl.float32)
+            off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
+            v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0))[:, None, None] & cmask[None, :, :], other=0.0)
             rstd = 1.0 / tl.sqrt(tl.reduce(tl.reduce(v * v, 2, _ADD), 1, _ADD) / D + eps)
             s = tl.reduce(w[:, None, :, :] * v[None, :, :, :], 3, _ADD) * rstd[None, :, None]
             alpha = tl.exp(s - lse)
@@ -210,9 +221,12 @@ def _route_bwd(
             tl.store(dprior_lse_ptr + hm_off, tl.reduce(p_alpha * (p_a - dsum), 0, _ADD), mask=hmask)
 
         # pass 2: every source gradient, and dw summed over this program's tokens
+        off = tl.multiple_of(tl.load(src_offs), ALIGN)
+        v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0))[:, None, None] & cmask[None, :, :], other=0.0)
         for i in range(n_src):
-            off = tl.multiple_of(tl.load(src_offs + i), ALIGN)
-            v = tl.load(src_base + off + x_off, mask=xmask, other=0.0).to(tl.float32)
+            v = v_next.to(tl.float32)
+            off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
+            v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0))[:, None, None] & cmask[None, :, :], other=0.0)
             rstd = 1.0 / tl.sqrt(tl.reduce(tl.reduce(v * v, 2, _ADD), 1, _ADD) / D + eps)
             s = tl.reduce(w[:, None, :, :] * v[None, :, :, :], 3, _ADD) * rstd[None, :, None]
             alpha = tl.where(shmask, tl.exp(s - lse), 0.0)
@@ -295,6 +309,11 @@ def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple
     return bs, rows, warps, bh, bdh
 
 
+def _new(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device)
+    return t.fill_(float("nan")) if POISON_OUTPUTS else t
+
+
 def _aligned(t: Tensor) -> Tensor:
     """``t`` contiguous and 16-byte aligned (the kernels load 16-byte vectors through offset tables)."""
     t = t.contiguous()
@@ -302,9 +321,10 @@ def _aligned(t: Tensor) -> Tensor:
 
 
 def _offsets(tensors: Sequence[Tensor], base: Tensor) -> Tensor:
-    """int64 element offsets of ``tensors`` from ``base`` (same dtype, 16-byte aligned), on its device."""
+    """int64 element offsets of ``tensors`` from ``base`` (same dtype, 16-byte aligned), on its device,
+    plus one spare 0 so that the kernels can read the next entry unconditionally."""
     size = base.element_size()
-    offs = [(t.data_ptr() - base.data_ptr()) // size for t in tensors]
+    offs = [(t.data_ptr() - base.data_ptr()) // size for t in tensors] + [0]
     if base.device.type == "cuda":
         return torch.tensor(offs, dtype=torch.int64, pin_memory=True).to(base.device, non_blocking=True)
     return torch.tensor(offs, dtype=torch.int64)
@@ -330,11 +350,11 @@ def _forward(
     base = srcs[0] if srcs else _aligned(prior_out)
     w = (queries.float() * gains.float()).contiguous()
     if stream is not None:
-        outs = [torch.empty(shape, dtype=stream.dtype, device=like.device)]
+        outs = [_new(shape, stream.dtype, like.device)]
     else:
-        outs = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(n_sites)]
-    lse = torch.empty((n_sites, *shape[:-1], heads), dtype=torch.float32, device=like.device)
-    scores = torch.empty((n_src, *shape[:-1], heads) if store_scores else (0,), dtype=torch.float32, device=like.device)
+        outs = [_new(shape, like.dtype, like.device) for _ in range(n_sites)]
+    lse = _new((n_sites, *shape[:-1], heads), torch.float32, like.device)
+    scores = _new((n_src, *shape[:-1], heads) if store_scores else (0,), torch.float32, like.device)
     dummy = w
     _kernel("fwd", interpret)[(triton.cdiv(M, bm),)](
         base, _offsets(srcs, base), n_src,
@@ -364,18 +384,18 @@ def _backward(
     interpret = device.type != "cuda"
     bs, bm, warps, bh, bdh = _tile("bwd", n_sites, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
-    programs = min(num_tiles, 2 if interpret else _sm_count(device.index or 0) * max(1, 16 // warps))
+    programs = min(num_tiles, 2 if interpret else _sm_count(device.index or 0) * max(1, 32 // warps))
     srcs = [_aligned(s) for s in sources]
     base = srcs[0] if srcs else _aligned(prior_out)
     grads = [_aligned(g) for g in grad_outs]
     if any(g.dtype != grads[0].dtype for g in grads):
         grads = [_aligned(g.to(grads[0].dtype)) for g in grads]
     w = (queries.float() * gains.float()).contiguous()
-    dsrc = torch.empty((n_src, *shape), dtype=like.dtype, device=device)
-    dw = torch.empty((programs, n_sites, d), dtype=torch.float32, device=device)
-    dgate = torch.empty((programs, d) if gate is not None else (0,), dtype=torch.float32, device=device)
-    dprior = torch.empty(shape, dtype=prior_out.dtype, device=device) if prior_out is not None else dw.new_empty(0)
-    dprior_lse = torch.empty(prior_lse.shape if prior_lse is not None else (0,), dtype=torch.float32, device=device)
+    dsrc = _new((n_src, *shape), like.dtype, device)
+    dw = _new((programs, n_sites, d), torch.float32, device)
+    dgate = _new((programs, d) if gate is not None else (0,), torch.float32, device)
+    dprior = _new(shape if prior_out is not None else (0,), prior_out.dtype if prior_out is not None else torch.float32, device)
+    dprior_lse = _new(prior_lse.shape if prior_lse is not None else (0,), torch.float32, device)
     dummy = w
     _kernel("bwd", interpret)[(programs,)](
         base, _offsets(srcs, base), n_src,

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_mhar.config import ModelConfig
+from lit_mhar.kernels import resolve_backend
 from lit_mhar.routing import DepthHistory, RoutingSite
 
 
@@ -122,10 +123,10 @@ class Block(nn.Module):
 
 
 def route(site: RoutingSite, history: DepthHistory, stream: Optional[Tensor], weights: Optional[list[Tensor]]) -> Tensor:
-    """Apply ``site`` to ``history`` and keep its routing weights when ``weights`` is a list."""
+    """Route ``history`` into ``site`` and keep its routing weights when ``weights`` is a list."""
     if weights is None:
-        return site(history, stream)
-    out, w = site(history, stream, return_weights=True)
+        return history.route(site, stream)
+    out, w = history.route(site, stream, return_weights=True)
     weights.append(w)
     return out
 
@@ -180,7 +181,10 @@ class LM(nn.Module):
         history = None
         if self.cfg.routed:
             dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-            history = DepthHistory(x.to(dtype), self.cfg.block_size)
+            # Block routing on the fused kernels takes the two-phase path (one pass over the
+            # completed blocks per block); the reference path and probes route site by site.
+            two_phase = self.cfg.block_size > 1 and not return_routing and resolve_backend(x) == "triton"
+            history = DepthHistory(x.to(dtype), self.cfg.block_size, self.routing_sites(), two_phase)
         h = None if self.cfg.residual == "attnres" else x
         for block in self.blocks:
             h = block(h, history, cos, sin, weights)
@@ -188,6 +192,12 @@ class LM(nn.Module):
             h = route(self.final_site, history, h, weights)
         logits = self.lm_head(self.norm(h))
         return (logits, weights) if return_routing else logits
+
+    def routing_sites(self) -> list[RoutingSite]:
+        """Routing sites in depth order: site ``l`` before sublayer ``l`` (attention 2i, MLP 2i+1), then the final one."""
+        if not self.cfg.routed:
+            return []
+        return [s for b in self.blocks for s in (b.attn_site, b.mlp_site)] + [self.final_site]
 
     def routing_parameters(self) -> list[nn.Parameter]:
         """Pseudo-queries, key-norm gains and output gates of every routing site."""

@@ -10,12 +10,13 @@ is exactly the stream at the block's end minus the stream at its start.
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from lit_mhar.kernels import depth_route
+from lit_mhar.kernels import depth_route, max_sites_per_pass, merge_route, route_sites
 
 
 class DepthHistory:
@@ -25,18 +26,33 @@ class DepthHistory:
     ``(l + 1) % block_size == 0``. A model whose 2L sublayers are not a multiple of S ends on a
     shorter block, which the final routing site sees as the partial block.
 
+    With ``two_phase`` (Block AttnRes, S > 1), :meth:`route` computes each block's routing in two
+    phases: when the block starts, all of its sites are routed against the completed blocks in
+    one pass (their pseudo-queries do not depend on the input), which reads every completed block
+    once instead of once per site; each site then merges that result with the partial block by an
+    online-softmax step (AttnRes, Sec. 4). The result equals per-site routing over
+    :meth:`sources` up to rounding (float64: to 1e-12).
+
     Args:
         embedding: ``[..., d]`` token embedding (source 0).
         block_size: S >= 1 sublayers per block.
+        sites: the model's routing sites in depth order (site ``l`` runs before sublayer ``l``;
+            the last one before the LM head); needed for ``two_phase``.
+        two_phase: route blocks in two phases as above (ignored when S = 1 or without ``sites``).
     """
 
-    def __init__(self, embedding: Tensor, block_size: int) -> None:
+    def __init__(
+        self, embedding: Tensor, block_size: int, sites: Optional[Sequence["RoutingSite"]] = None, two_phase: bool = False
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"DepthHistory: block_size={block_size} must be >= 1")
         self.block_size = block_size
         self.blocks: list[Tensor] = [embedding]
         self.partial: Optional[Tensor] = None
         self.n_appended = 0
+        self.sites = list(sites) if sites is not None else None
+        self.two_phase = bool(two_phase) and block_size > 1 and self.sites is not None
+        self._inter: dict[int, tuple[Tensor, Tensor]] = {}  # site -> (routed completed blocks, lse)
 
     def sources(self) -> list[Tensor]:
         """Sources visible to the next routing site, oldest first (N = 1 + completed + started)."""
@@ -51,6 +67,54 @@ class DepthHistory:
         if self.n_appended % self.block_size == 0:
             self.blocks.append(self.partial)
             self.partial = None
+
+    def route(
+        self, site: "RoutingSite", stream: Optional[Tensor] = None, return_weights: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Routed input ``[..., d]`` of ``site``, the site about to run (index ``n_appended``).
+
+        Plain per-site routing over :meth:`sources`, or the two-phase computation when enabled
+        (not with ``return_weights``: probes take the plain path). ``stream`` is the residual
+        stream of the additive form.
+        """
+        if not self.two_phase or return_weights:
+            return site(self, stream, return_weights=return_weights)
+        index = self.n_appended
+        if index not in self._inter:
+            self._route_completed_blocks(index)
+        prior_out, prior_lse = self._inter.pop(index)
+        if self.partial is None and site.gate is None:
+            return prior_out  # first site of a block: the completed blocks are all it sees
+        return merge_route(
+            [] if self.partial is None else [self.partial],
+            site.query,
+            site.key_gain,
+            site.heads,
+            prior_out,
+            prior_lse,
+            stream=stream if site.gate is not None else None,
+            gate=site.gate,
+            eps=site.eps,
+        )
+
+    def _route_completed_blocks(self, first: int) -> None:
+        """Phase one for sites ``first`` .. end of their block: one pass over the completed blocks.
+
+        A pass holds at most ``max_sites_per_pass(d, H)`` sites' accumulators in registers; longer
+        blocks are split into that many balanced passes (each re-reads the completed blocks).
+        """
+        last = min(first - first % self.block_size + self.block_size, len(self.sites))
+        group = self.sites[first:last]
+        d, heads = self.blocks[0].shape[-1], group[0].heads
+        n_pass = math.ceil(len(group) / max_sites_per_pass(d, heads))
+        size = math.ceil(len(group) / n_pass)
+        for k in range(0, len(group), size):
+            part = group[k : k + size]
+            queries = torch.stack([s.query for s in part])
+            gains = torch.stack([s.key_gain for s in part])
+            outs, lse = route_sites(self.blocks, queries, gains, heads, part[0].eps)
+            for j in range(len(part)):
+                self._inter[first + k + j] = (outs[j], lse[j])
 
 
 class RoutingSite(nn.Module):

@@ -1,0 +1,324 @@
+"""The fused Triton depth-routing kernels against the float64 reference: output and every gradient.
+
+Without a GPU the kernels run on CPU tensors in Triton's interpreter (``use_backend("triton")``).
+The kernel module builds its interpreted kernels explicitly and uses only Triton builtins, so this
+works whatever was imported first in the pytest process and whether or not ``TRITON_INTERPRET``
+is set. The CPU cases are a representative subset; the full grid is marked ``gpu``.
+Every kernel output is filled with NaN before each launch (``POISON_OUTPUTS``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from lit_mhar import LM, ModelConfig
+from lit_mhar.kernels import reference, use_backend
+from lit_mhar.kernels import triton_routing as tr
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+# ||out - ref|| / ||ref|| against float64: float32 arithmetic lands near 1e-7; bfloat16 outputs are
+# rounded once (2^-9 relative per element), the bound is the usual band for bf16 results.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    monkeypatch.setattr(tr, "POISON_OUTPUTS", True)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    assert torch.isfinite(x).all(), "non-finite values (an unwritten, NaN-poisoned element?)"
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
+
+
+def make_case(n, heads, d, tokens, dtype, additive, seed=0, device=DEVICE):
+    """Random sources ``[2, tokens/2.., d]``-like, non-zero queries scaled so scores are O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (tokens, d) if tokens % 2 else (2, tokens // 2, d)
+    sources = [torch.randn(shape, generator=g).to(device, dtype) for _ in range(n)]
+    # different magnitudes per source, so rstd matters
+    sources = [s * (0.5 + i % 3) for i, s in enumerate(sources)]
+    query = (2.0 * (heads / d) ** 0.5 * torch.randn(d, generator=g)).to(device)
+    gain = (1 + 0.3 * torch.randn(d, generator=g)).to(device)
+    stream = torch.randn(shape, generator=g).to(device) if additive else None
+    gate = torch.randn(d, generator=g).to(device) if additive else None
+    grad = torch.randn(shape, generator=g, dtype=torch.float64).to(device)
+    return sources, query, gain, stream, gate, grad
+
+
+def check_route(n, heads, d, tokens, dtype, additive, seed=0):
+    sources, query, gain, stream, gate, grad = make_case(n, heads, d, tokens, dtype, additive, seed)
+    leaves = [*sources, query, gain] + ([stream, gate] if additive else [])
+    leaves = [x.detach().requires_grad_() for x in leaves]
+    ins = leaves[:n], *leaves[n:]
+
+    def call(fn, srcs, q, g, st=None, ga=None):
+        return fn(srcs, q, g, heads, st, ga, return_weights=True)
+
+    out, weights = call(tr.depth_route, *ins)
+    grads = torch.autograd.grad(out, leaves, grad.to(out.dtype))
+    leaves64 = [x.detach().double().requires_grad_() for x in leaves]
+    ref, ref_w = call(reference.depth_route, leaves64[:n], *leaves64[n:])
+    ref_grads = torch.autograd.grad(ref, leaves64, grad)
+    tol = TOL[dtype]
+    assert out.dtype == (stream.dtype if additive else dtype)
+    assert rel_err(out, ref) < tol
+    assert rel_err(weights, ref_w) < 1e-5  # float32 softmax of exact bf16 inputs
+    names = [f"source{i}" for i in range(n)] + ["query", "gain"] + (["stream", "gate"] if additive else [])
+    for name, g_, r in zip(names, grads, ref_grads):
+        assert g_.dtype == leaves[names.index(name)].dtype
+        err = rel_err(g_, r)
+        assert err < tol, f"d{name}: relative error {err:.2e}"
+
+
+def case_id(n, heads, d, tokens, dtype, additive):
+    return f"N{n}-H{heads}-d{d}-T{tokens}-{str(dtype).split('.')[-1]}-{'additive' if additive else 'replace'}"
+
+
+# A representative CPU subset: every N, H, width, dtype and form appears, with token counts that are
+# not multiples of the interpreter's 64-row tile (and one that spans several tiles).
+CPU_CASES = [
+    (1, 1, 64, 37, torch.float32, False),
+    (2, 2, 96, 70, torch.bfloat16, True),
+    (9, 8, 1024, 5, torch.bfloat16, False),
+    (9, 4, 1000, 131, torch.float32, True),
+    (33, 16, 64, 3, torch.float32, False),
+    (73, 16, 96, 9, torch.bfloat16, True),
+    (2, 1, 1000, 7, torch.bfloat16, False),
+    (1, 8, 1024, 3, torch.float32, True),
+]
+
+
+@pytest.mark.parametrize("n,heads,d,tokens,dtype,additive", CPU_CASES, ids=[case_id(*c) for c in CPU_CASES])
+def test_route_matches_float64_reference(n, heads, d, tokens, dtype, additive):
+    with use_backend("triton"):
+        check_route(n, heads, d, tokens, dtype, additive)
+
+
+GPU_CASES = [
+    (n, h, d, t, dt, add)
+    for n, h, d, dt, add in itertools.product((1, 2, 9, 33, 73), (1, 2, 4, 8, 16), (64, 96, 1000, 1024), (torch.float32, torch.bfloat16), (False, True))
+    if d % h == 0
+    for t in (1, 1037)
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,heads,d,tokens,dtype,additive", GPU_CASES, ids=[case_id(*c) for c in GPU_CASES])
+def test_route_matches_float64_reference_full_grid(n, heads, d, tokens, dtype, additive):
+    check_route(n, heads, d, tokens, dtype, additive)
+
+
+def two_phase_vs_plain(n_completed, sites, heads, d, tokens, dtype, additive, device=DEVICE):
+    """Route ``sites`` sites of one block: site 0 sees the completed blocks, site j > 0 also a partial block.
+
+    Returns the relative errors of two-phase Triton against plain float64 routing (outputs, then
+    gradients of completed blocks, partials, queries, gains, streams, gates).
+    """
+    g = torch.Generator().manual_seed(7)
+    completed = [(torch.randn(tokens, d, generator=g) * (1 + i)).to(device, dtype) for i in range(n_completed)]
+    partials = [torch.randn(tokens, d, generator=g).to(device, dtype) for _ in range(sites)]
+    queries = (2.0 * (heads / d) ** 0.5 * torch.randn(sites, d, generator=g)).to(device)
+    gains = (1 + 0.3 * torch.randn(sites, d, generator=g)).to(device)
+    streams = [torch.randn(tokens, d, generator=g).to(device) for _ in range(sites)] if additive else None
+    gates = (torch.randn(sites, d, generator=g)).to(device) if additive else None
+    douts = [torch.randn(tokens, d, generator=g, dtype=torch.float64).to(device) for _ in range(sites)]
+
+    def run(two_phase, cast):
+        c = [cast(x).requires_grad_() for x in completed]
+        p = [cast(x).requires_grad_() for x in partials]
+        q, gn = cast(queries).requires_grad_(), cast(gains).requires_grad_()
+        st = [cast(x).requires_grad_() for x in streams] if additive else [None] * sites
+        ga = cast(gates).requires_grad_() if additive else None
+        outs = []
+        if two_phase:
+            inter, lse = tr.route_sites(c, q, gn, heads)
+        for j in range(sites):
+            gate_j = ga[j] if additive else None
+            if two_phase:
+                outs.append(tr.merge_route([p[j]] if j else [], q[j], gn[j], heads, inter[j], lse[j], st[j], gate_j))
+            else:
+                outs.append(reference.depth_route(c + ([p[j]] if j else []), q[j], gn[j], heads, st[j], gate_j))
+        leaves = c + p[1:] + [q, gn] + (st + [ga] if additive else [])
+        grads = torch.autograd.grad(sum((o.double() * d_).sum() for o, d_ in zip(outs, douts)), leaves)
+        return outs, grads
+
+    outs, grads = run(True, lambda x: x.detach().clone())
+    ref_outs, ref_grads = run(False, lambda x: x.detach().double())
+    return [rel_err(o, r) for o, r in zip(outs, ref_outs)], [rel_err(a, b) for a, b in zip(grads, ref_grads)]
+
+
+TWO_PHASE_CPU = [(3, 3, 2, 64, 37, torch.float32, False), (4, 4, 4, 96, 70, torch.bfloat16, True), (2, 2, 1, 1000, 13, torch.float32, True), (8, 9, 8, 64, 5, torch.float32, False)]
+
+
+def two_phase_id(nc, s, h, d, t, dt, add):
+    return f"completed{nc}-S{s}-H{h}-d{d}-T{t}-{str(dt).split('.')[-1]}-{'additive' if add else 'replace'}"
+
+
+@pytest.mark.parametrize("n_completed,sites,heads,d,tokens,dtype,additive", TWO_PHASE_CPU, ids=[two_phase_id(*c) for c in TWO_PHASE_CPU])
+def test_two_phase_block_routing_equals_plain_routing(n_completed, sites, heads, d, tokens, dtype, additive):
+    out_errs, grad_errs = two_phase_vs_plain(n_completed, sites, heads, d, tokens, dtype, additive)
+    assert max(out_errs) < TOL[dtype] and max(grad_errs) < TOL[dtype], (out_errs, grad_errs)
+
+
+TWO_PHASE_GPU = [
+    (nc, s, h, d, 1037, dt, add)
+    for nc, s, h, d, dt, add in itertools.product((1, 4, 8), (2, 3, 6, 9), (1, 8), (96, 1024, 1280), (torch.float32, torch.bfloat16), (False, True))
+    if s <= tr.max_sites_per_pass(d, h)
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_completed,sites,heads,d,tokens,dtype,additive", TWO_PHASE_GPU, ids=[two_phase_id(*c) for c in TWO_PHASE_GPU])
+def test_two_phase_block_routing_equals_plain_routing_full_grid(n_completed, sites, heads, d, tokens, dtype, additive):
+    out_errs, grad_errs = two_phase_vs_plain(n_completed, sites, heads, d, tokens, dtype, additive)
+    assert max(out_errs) < TOL[dtype] and max(grad_errs) < TOL[dtype], (out_errs, grad_errs)
+
+
+def test_reference_two_phase_equals_plain_routing_in_float64():
+    g = torch.Generator().manual_seed(3)
+    a = [torch.randn(4, 5, 24, generator=g, dtype=torch.float64) for _ in range(4)]
+    b = [torch.randn(4, 5, 24, generator=g, dtype=torch.float64)]
+    q, gain = torch.randn(2, 24, generator=g, dtype=torch.float64), torch.rand(2, 24, generator=g, dtype=torch.float64) + 0.5
+    outs, lse = reference.route_sites(a, q, gain, heads=4)
+    for j in range(2):
+        torch.testing.assert_close(reference.merge_route(b, q[j], gain[j], 4, outs[j], lse[j]), reference.depth_route(a + b, q[j], gain[j], 4), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(outs[j], reference.depth_route(a, q[j], gain[j], 4), rtol=1e-12, atol=1e-12)
+
+
+def test_backward_is_deterministic():
+    with use_backend("triton"):
+        sources, query, gain, stream, gate, grad = make_case(9, 4, 96, 301, torch.float32, True, seed=5)
+        leaves = [x.requires_grad_() for x in [*sources, query, gain, stream, gate]]
+        runs = []
+        for _ in range(2):
+            out = tr.depth_route(leaves[:9], *leaves[9:11], 4, leaves[11], leaves[12])
+            runs.append(torch.autograd.grad(out, leaves, grad.float()))
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+
+
+def tiny_model(residual, heads, block_size, n_layer=3):
+    cfg = ModelConfig.from_name(
+        "debug", residual=residual, heads=heads, block_size=block_size, d_model=32, n_layer=n_layer,
+        n_head=4, n_kv_head=2, ffn_dim=48, vocab_size=97, seq_len=16,
+    )
+    torch.manual_seed(0)
+    model = LM(cfg)
+    g = torch.Generator().manual_seed(0)
+    for site in model.routing_sites():  # non-zero queries and gates: routing is not uniform
+        site.query.data = torch.randn(site.query.shape, generator=g)
+        site.key_gain.data = 1 + 0.5 * torch.randn(site.key_gain.shape, generator=g)
+        if site.gate is not None:
+            site.gate.data = torch.randn(site.gate.shape, generator=g)
+    return model
+
+
+@pytest.mark.parametrize(
+    "residual,heads,block_size",
+    [("attnres", 2, 1), ("attnres", 4, 3), ("delta", 2, 2), ("delta", 8, 1)],
+    ids=["full-H2", "block-S3-H4-two-phase", "delta-block-S2-H2-two-phase", "delta-full-H8"],
+)
+def test_model_on_triton_path_matches_reference_path(residual, heads, block_size):
+    model = tiny_model(residual, heads, block_size)
+    idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for backend in ("reference", "triton"):
+        model.zero_grad()
+        with use_backend(backend):
+            loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        loss.backward()
+        results[backend] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    (loss_ref, grads_ref), (loss_tri, grads_tri) = results["reference"], results["triton"]
+    torch.testing.assert_close(loss_tri, loss_ref, rtol=1e-6, atol=1e-6)
+    assert grads_tri.keys() == grads_ref.keys()
+    for name in grads_ref:
+        assert rel_err(grads_tri[name], grads_ref[name]) < 1e-5, name
+
+
+def test_two_phase_model_calls_route_sites_once_per_block(monkeypatch):
+    from lit_mhar import routing
+
+    model = tiny_model("attnres", 2, 3, n_layer=3)  # 6 sublayers + final site = blocks {0,1,2}, {3,4,5}, {6}
+    calls = []
+    original = routing.route_sites
+    monkeypatch.setattr(routing, "route_sites", lambda srcs, q, *a: calls.append((len(srcs), q.shape[0])) or original(srcs, q, *a))
+    with use_backend("triton"):
+        model(torch.randint(0, 97, (1, 5)))
+    assert calls == [(1, 3), (2, 3), (3, 1)]
+
+
+def test_compiled_model_has_no_graph_break_around_the_op():
+    model = tiny_model("delta", 2, 2)
+    idx = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(2))
+    with use_backend("triton"):
+        eager = model(idx)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        out = compiled(idx)
+        out.sum().backward()
+    torch.testing.assert_close(out, eager, rtol=1e-6, atol=1e-6)
+    assert all(p.grad is not None for p in model.routing_parameters() if p.requires_grad)
+
+
+def test_custom_ops_pass_opcheck():
+    sources, query, gain, stream, gate, _ = make_case(3, 2, 64, 5, torch.float32, True)
+    args = ([s.requires_grad_() for s in sources], query[None].requires_grad_(), gain[None], 2, 1e-6, stream, gate, None, None, False)
+    torch.library.opcheck(torch.ops.lit_mhar.route_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_unsupported_sizes_raise_clear_errors():
+    with use_backend("triton"):
+        v = [torch.randn(3, 1024)]
+        with pytest.raises(ValueError, match="route at most 8 sites per pass"):
+            tr.route_sites(v, torch.randn(9, 1024), torch.ones(9, 1024))
+        with pytest.raises(ValueError, match="more than the 16384"):
+            tr.depth_route([torch.randn(2, 16385)], torch.randn(16385), torch.ones(16385))
+        with pytest.raises(ValueError, match="dtype torch.float64"):
+            tr.depth_route([torch.randn(2, 8, dtype=torch.float64)], torch.randn(8), torch.ones(8))
+        with pytest.raises(ValueError, match="heads=3"):
+            tr.depth_route([torch.randn(2, 8)], torch.randn(8), torch.ones(8), heads=3)
+
+
+def test_dispatcher_picks_reference_on_cpu_and_triton_when_forced():
+    from lit_mhar.kernels import resolve_backend
+
+    x = torch.randn(2, 8)
+    with use_backend("auto"):
+        assert resolve_backend(x) == ("triton" if x.is_cuda else "reference")
+    with use_backend("triton"):
+        assert resolve_backend(x) == "triton"
+    with use_backend("reference"):
+        assert resolve_backend(x) == "reference"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_offsets_past_2_to_the_31_elements():
+    """73 sources x 32768 tokens x 1280 channels = 3.06e9 elements: the gradient buffer [N, M, d]
+    is indexed past 2**31. Rows far into the buffer are checked against the reference on a slice."""
+    n, tokens, d, heads = 73, 32768, 1280, 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sources = [torch.randn(tokens, d, device="cuda", generator=g).to(torch.bfloat16).requires_grad_() for _ in range(n)]
+    query = (2.0 * (heads / d) ** 0.5 * torch.randn(d, device="cuda", generator=g)).requires_grad_()
+    gain = (1 + 0.3 * torch.randn(d, device="cuda", generator=g)).requires_grad_()
+    out = tr.depth_route(sources, query, gain, heads)
+    grad = torch.randn(tokens, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    d_src = torch.autograd.grad(out, sources, grad)
+    rows = slice(tokens - 97, tokens)
+    sl = [s.detach()[rows].double().requires_grad_() for s in sources]
+    ref = reference.depth_route(sl, query.detach().double(), gain.detach().double(), heads)
+    ref_grads = torch.autograd.grad(ref, sl, grad[rows].double())
+    assert rel_err(out[rows], ref) < TOL[torch.bfloat16]
+    for i in (0, n // 2, n - 1):
+        assert rel_err(d_src[i][rows], ref_grads[i]) < TOL[torch.bfloat16]
+    assert all(torch.isfinite(x).all() for x in d_src)
