@@ -105,7 +105,7 @@ GPU_CASES = [
     (n, h, d, t, dt, add)
     for n, h, d, dt, add in itertools.product((1, 2, 9, 33, 73), (1, 2, 4, 8, 16), (64, 96, 1000, 1024), (torch.float32, torch.bfloat16), (False, True))
     if d % h == 0
-    for t in (1, 1037)
+    for t in (1037,)  # several tiles, and not a multiple of any tile
 ]
 
 

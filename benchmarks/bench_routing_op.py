@@ -1,0 +1,208 @@
+"""Routing-op benchmark: forward / backward / both, median of ``triton.testing.do_bench``.
+
+Shapes of the 100m / 350m / 1b presets (tokens per step 64x2048, 32x1024, 32x1024), N = 9 sources
+(8 blocks) and N = 2L + 1 (full routing), H = 1 and 8, bfloat16 sources, float32 query and gain.
+Variants: the fused Triton op, the eager reference, ``torch.compile`` of the reference, and at
+H = 1 fla-core's ``fused_attnres`` and liger-kernel's ``liger_attn_res`` (benchmark-only peers,
+imported here and nowhere in the package). Every variant is checked in the same run against a
+float64 reference computed in token chunks (output, every source gradient, query and gain
+gradients); a variant that fails its check gets no time reported.
+
+Achieved bandwidth counts the fewest bytes each direction must move: forward reads N sources and
+writes the output; backward reads N sources and the output gradient and writes N source
+gradients. It is reported against a device-to-device copy measured in the same process.
+
+    python benchmarks/bench_routing_op.py --scale 350m --out results/   # appends CSV rows
+
+Needs only torch, triton and an installed lit_mhar (plus the peers, optionally).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from lit_mhar.kernels import reference
+from lit_mhar.kernels import triton_routing
+
+SCALES = {  # d, layers, tokens per step (batch, seq)
+    "100m": (512, 12, (64, 2048)),
+    "350m": (1024, 24, (32, 1024)),
+    "1b": (1280, 36, (32, 1024)),
+    "tiny": (96, 2, (1, 70)),  # a dry run of this script (BENCH_DEVICE=cpu runs it in Triton's interpreter)
+}
+DEVICE = os.environ.get("BENCH_DEVICE", "cuda")
+TOL = 1e-2  # bf16 sources and outputs: relative L2 error against float64
+FIELDS = ["scale", "N", "H", "variant", "status", "fwd_ms", "bwd_ms", "both_ms", "fwd_GBps", "bwd_GBps", "fwd_frac_copy", "bwd_frac_copy",
+          "err_out", "err_dsrc", "err_dq", "err_dg", "copy_GBps", "note"]
+
+
+def _cpu_timer(fn, warmup=0, rep=0, return_mode="median"):
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy in GB/s, counting bytes read plus bytes written (2 GiB tensors)."""
+    x = torch.empty(2**30 if DEVICE == "cuda" else 2**20, dtype=torch.bfloat16, device=DEVICE).normal_()
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    return 2 * x.numel() * x.element_size() / ms / 1e6
+
+
+def peers():
+    """Peer implementations at H = 1, (name -> fn(sources, query, gain) -> out), when installed."""
+    found = {}
+    try:
+        from fla.ops.attnres import fused_attnres
+
+        found["fla"] = lambda srcs, q, g: fused_attnres(q, srcs, g, rms_eps=1e-6)
+    except Exception as e:  # noqa: BLE001 - report, don't fail: peers are optional
+        print(f"fla unavailable: {e!r}", flush=True)
+    try:
+        from liger_kernel.transformers.functional import liger_attn_res
+
+        found["liger"] = lambda srcs, q, g: liger_attn_res(srcs, q, g, eps=1e-6)
+    except Exception as e:  # noqa: BLE001
+        print(f"liger unavailable: {e!r}", flush=True)
+    return found
+
+
+def reference_grads(sources, q, g, heads, dout, chunk=2048):
+    """float64 output, source / query / gain gradients, computed over token chunks (fits in memory)."""
+    M = dout.shape[0]
+    out = torch.empty(M, dout.shape[1], dtype=torch.float64, device=DEVICE)
+    dsrc = [torch.empty_like(s, dtype=torch.float32) for s in sources]  # float32 storage of float64 math
+    dq = torch.zeros(q.shape, dtype=torch.float64, device=DEVICE)
+    dg = torch.zeros_like(dq)
+    q64, g64 = q.detach().double(), g.detach().double()
+    for a in range(0, M, chunk):
+        b = min(M, a + chunk)
+        sl = [s.detach()[a:b].double().requires_grad_() for s in sources]
+        qq, gg = q64.clone().requires_grad_(), g64.clone().requires_grad_()
+        o = reference.depth_route(sl, qq, gg, heads)
+        grads = torch.autograd.grad(o, sl + [qq, gg], dout[a:b].double())
+        out[a:b] = o.detach()
+        for i in range(len(sl)):
+            dsrc[i][a:b] = grads[i]
+        dq += grads[-2]
+        dg += grads[-1]
+    return out, dsrc, dq, dg
+
+
+def rel(x, ref) -> float:
+    x = x.detach()
+    if not torch.isfinite(x).all():
+        return math.inf
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def rel_list(xs, refs) -> float:
+    num = sum(((x.double() - r.double()) ** 2).sum().item() for x, r in zip(xs, refs))
+    den = sum((r.double() ** 2).sum().item() for r in refs)
+    if any(not torch.isfinite(x).all() for x in xs):
+        return math.inf
+    return math.sqrt(num / den)
+
+
+def bench_shape(scale, n, heads, variants, copy_gbps, writer, fh):
+    d, _, (batch, seq) = SCALES[scale]
+    M = batch * seq
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    sources = [(torch.randn(M, d, device=DEVICE, generator=gen) * (0.5 + i % 3)).to(torch.bfloat16).requires_grad_() for i in range(n)]
+    q = (2.0 * (heads / d) ** 0.5 * torch.randn(d, device=DEVICE, generator=gen)).requires_grad_()
+    g = (1 + 0.3 * torch.randn(d, device=DEVICE, generator=gen)).requires_grad_()
+    dout = torch.randn(M, d, device=DEVICE, generator=gen).to(torch.bfloat16)
+    ref_out, ref_dsrc, ref_dq, ref_dg = reference_grads(sources, q, g, heads, dout)
+    inputs = sources + [q, g]
+    esize = 2
+    fwd_bytes = (n + 1) * M * d * esize
+    bwd_bytes = (2 * n + 1) * M * d * esize
+    for name, fn in variants.items():
+        row = dict(scale=scale, N=n, H=heads, variant=name, copy_GBps=round(copy_gbps, 1))
+        try:
+            out = fn(sources, q, g)
+            grads = torch.autograd.grad(out, inputs, dout)
+            errs = dict(err_out=rel(out, ref_out), err_dsrc=rel_list(grads[:n], ref_dsrc), err_dq=rel(grads[n], ref_dq), err_dg=rel(grads[n + 1], ref_dg))
+            row.update({k: f"{v:.2e}" for k, v in errs.items()})
+            del out, grads
+            if max(errs.values()) > TOL:
+                row["status"] = "FAILED correctness"
+                writer.writerow(row)
+                fh.flush()
+                print(json.dumps(row), flush=True)
+                continue
+            out = fn(sources, q, g)
+            fwd = do_bench(lambda: fn(sources, q, g), warmup=10, rep=100, return_mode="median")
+            bwd = do_bench(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), warmup=10, rep=100, return_mode="median")
+            both = do_bench(lambda: torch.autograd.grad(fn(sources, q, g), inputs, dout), warmup=10, rep=100, return_mode="median")
+            del out
+            row.update(
+                status="ok", fwd_ms=f"{fwd:.4f}", bwd_ms=f"{bwd:.4f}", both_ms=f"{both:.4f}",
+                fwd_GBps=f"{fwd_bytes / fwd / 1e6:.0f}", bwd_GBps=f"{bwd_bytes / bwd / 1e6:.0f}",
+                fwd_frac_copy=f"{fwd_bytes / fwd / 1e6 / copy_gbps:.3f}", bwd_frac_copy=f"{bwd_bytes / bwd / 1e6 / copy_gbps:.3f}",
+            )
+        except torch.cuda.OutOfMemoryError:
+            row.update(status="OOM")
+        except Exception as e:  # noqa: BLE001 - a peer failing at a shape is a result
+            row.update(status="error", note=repr(e)[:200])
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+        writer.writerow(row)
+        fh.flush()
+        print(json.dumps(row), flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", choices=list(SCALES), required=True)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--heads", default="1,8")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
+    args = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch._dynamo.config.cache_size_limit = 64
+    d, layers, _ = SCALES[args.scale]
+    if DEVICE == "cpu":  # dry run: no events, no do_bench
+        global do_bench
+        do_bench = _cpu_timer
+    copy_gbps = copy_bandwidth()
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
+    path = os.path.join(args.out, "op_bench.csv")
+    new = not os.path.exists(path)
+    peer_fns = peers()
+    compiled = torch.compile(reference.depth_route, dynamic=False)
+    with open(path, "a", newline="") as fh:
+        writer = csv.DictWriter(fh, FIELDS)
+        if new:
+            writer.writeheader()
+        # full routing at the end: a peer that crashes with an illegal address at the largest shape
+        # leaves the CUDA context unusable, so it runs last in this process
+        for n in (9, 2 * layers + 1):
+            for heads in [int(h) for h in args.heads.split(",")]:
+                variants = {"triton": lambda s, q, g, h=heads: triton_routing.depth_route(s, q, g, h)}
+                variants["eager"] = lambda s, q, g, h=heads: reference.depth_route(s, q, g, h)
+                if not args.no_compile:
+                    variants["compiled"] = lambda s, q, g, h=heads: compiled(s, q, g, h)
+                if heads == 1:
+                    for k in ("liger", "fla"):
+                        if k in peer_fns:
+                            variants[k] = peer_fns[k]
+                t0 = time.time()
+                bench_shape(args.scale, n, heads, variants, copy_gbps, writer, fh)
+                print(f"{args.scale} N={n} H={heads}: {time.time() - t0:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

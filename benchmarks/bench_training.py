@@ -1,0 +1,162 @@
+"""Training throughput and peak memory of every residual variant against prenorm, in one process.
+
+A plain loop over :class:`lit_mhar.model.LM`: bf16 autocast, fused AdamW (0.9, 0.95, wd 0.1),
+random tokens, the presets' tokens per step unless ``--batch`` says otherwise. Attention, MLP and
+their pre-norms are compiled module by module (``nn.Module.compile``: one compilation shared by
+all layers); routing runs through the fused Triton op (two-phase for block routing), which
+``torch.compile`` treats as opaque. The same compilation applies to the prenorm baseline.
+
+MFU = tokens/s x ``LM.flops_per_token(seq_len)`` / peak, with the datasheet's dense bf16 peak
+(989 TFLOP/s, H100/H200 SXM) and the bf16 matmul rate measured in the same run.
+
+    python benchmarks/bench_training.py --scale 350m --out results/   # appends CSV rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+from triton.testing import do_bench
+
+from lit_mhar import LM, ModelConfig
+
+DATASHEET_TFLOPS = 989.0
+SCALES = {"100m": (64, 2048, 12), "350m": (32, 1024, 24), "1b": (32, 1024, 36), "debug": (2, 64, 4)}  # batch, seq, layers
+DEVICE = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu": a dry run of this script (debug scale, --no-compile)
+VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L sublayers)
+    "prenorm": dict(residual="prenorm"),
+    "mhar-full-H8": dict(residual="attnres", heads=8, block_size=1),
+    "mhar-block8-H8": dict(residual="attnres", heads=8, block_size="8blocks"),
+    "delta-full-H8": dict(residual="delta", heads=8, block_size=1),
+    "delta-block8-H8": dict(residual="delta", heads=8, block_size="8blocks"),
+}
+FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "mfu_datasheet", "mfu_measured",
+          "peak_mem_GiB", "mem_ratio_vs_prenorm", "loss", "compile_s", "matmul_TFLOPs", "status", "note"]
+
+
+def matmul_tflops() -> float:
+    if DEVICE != "cuda":
+        return float("nan")
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return 2 * 8192**3 / ms / 1e9
+
+
+def compile_sublayers(model: LM) -> None:
+    for block in model.blocks:
+        for m in (block.attn_norm, block.attn, block.mlp_norm, block.mlp):
+            m.compile()
+    model.norm.compile()
+
+
+def run_variant(scale, name, overrides, batch, seq, steps, warmup, compile_):
+    layers = SCALES[scale][2]
+    kw = dict(overrides)
+    if kw.get("block_size") == "8blocks":
+        kw["block_size"] = 2 * layers // 8
+    cfg = ModelConfig.from_name(scale, **kw)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):  # initialise on the device: seconds instead of a minute at 1b
+        model = LM(cfg)
+    if compile_:
+        compile_sublayers(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=DEVICE == "cuda")
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=DEVICE, generator=gen)
+    x, y = idx[:, :-1], idx[:, 1:]
+
+    def step():
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    t0 = time.time()
+    for _ in range(warmup):
+        loss = step()
+    sync()
+    compile_s = time.time() - t0
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    sync()
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+    result = dict(
+        step_ms=ms, tokens_per_s=batch * seq / ms * 1e3, peak=peak, loss=loss.item(),
+        flops_per_token=model.flops_per_token(seq), compile_s=compile_s,
+    )
+    del model, opt, loss
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", choices=list(SCALES), required=True)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default: the preset's)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args(argv)
+    torch._dynamo.config.cache_size_limit = 64  # one entry per module class and shape; never fall back to eager
+    batch, seq, _ = SCALES[args.scale]
+    batch = args.batch or batch
+    peak_measured = matmul_tflops()
+    print(f"bf16 matmul {peak_measured:.0f} TFLOP/s", flush=True)
+    path = os.path.join(args.out, "train_bench.csv")
+    new = not os.path.exists(path)
+    base = None
+    with open(path, "a", newline="") as fh:
+        writer = csv.DictWriter(fh, FIELDS)
+        if new:
+            writer.writeheader()
+        for name in args.variants.split(","):
+            row = dict(scale=args.scale, variant=name, batch=batch, seq=seq, steps=args.steps, matmul_TFLOPs=f"{peak_measured:.0f}")
+            try:
+                r = run_variant(args.scale, name, VARIANTS[name], batch, seq, args.steps, args.warmup, not args.no_compile)
+                if name == "prenorm":
+                    base = r
+                flops = r["tokens_per_s"] * r["flops_per_token"]
+                row.update(
+                    status="ok", tokens_per_s=f"{r['tokens_per_s']:.0f}", step_ms=f"{r['step_ms']:.1f}",
+                    mfu_datasheet=f"{flops / DATASHEET_TFLOPS / 1e12:.3f}", mfu_measured=f"{flops / peak_measured / 1e12:.3f}",
+                    peak_mem_GiB=f"{r['peak'] / 2**30:.2f}", loss=f"{r['loss']:.4f}", compile_s=f"{r['compile_s']:.0f}",
+                )
+                if base is not None:
+                    row.update(ratio_vs_prenorm=f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}", mem_ratio_vs_prenorm=f"{r['peak'] / max(base['peak'], 1):.3f}")
+            except torch.cuda.OutOfMemoryError:
+                row.update(status="OOM")
+                gc.collect()
+                torch.cuda.empty_cache()
+            except Exception as e:  # noqa: BLE001 - record and go on with the next variant
+                row.update(status="error", note=repr(e)[:300])
+                import traceback
+
+                traceback.print_exc()
+            writer.writerow(row)
+            fh.flush()
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
