@@ -189,19 +189,19 @@ def main(argv=None):
             writer.writeheader()
         # full routing at the end: a peer that crashes with an illegal address at the largest shape
         # leaves the CUDA context unusable, so it runs last in this process
-        for n in (9, 2 * layers + 1):
-            for heads in [int(h) for h in args.heads.split(",")]:
-                variants = {"triton": lambda s, q, g, h=heads: triton_routing.depth_route(s, q, g, h)}
-                variants["eager"] = lambda s, q, g, h=heads: reference.depth_route(s, q, g, h)
-                if not args.no_compile:
-                    variants["compiled"] = lambda s, q, g, h=heads: compiled(s, q, g, h)
-                if heads == 1:
-                    for k in ("liger", "fla"):
-                        if k in peer_fns:
-                            variants[k] = peer_fns[k]
-                t0 = time.time()
-                bench_shape(args.scale, n, heads, variants, copy_gbps, writer, fh)
-                print(f"{args.scale} N={n} H={heads}: {time.time() - t0:.0f}s", flush=True)
+        heads_list = [int(h) for h in args.heads.split(",")]
+        for n, heads in [(9, h) for h in heads_list] + [(2 * layers + 1, h) for h in reversed(heads_list)]:
+            variants = {"triton": lambda s, q, g, h=heads: triton_routing.depth_route(s, q, g, h)}
+            variants["eager"] = lambda s, q, g, h=heads: reference.depth_route(s, q, g, h)
+            if not args.no_compile:
+                variants["compiled"] = lambda s, q, g, h=heads: compiled(s, q, g, h)
+            if heads == 1:
+                for k in ("liger", "fla"):
+                    if k in peer_fns:
+                        variants[k] = peer_fns[k]
+            t0 = time.time()
+            bench_shape(args.scale, n, heads, variants, copy_gbps, writer, fh)
+            print(f"{args.scale} N={n} H={heads}: {time.time() - t0:.0f}s", flush=True)
 
 
 if __name__ == "__main__":
