@@ -20,9 +20,16 @@ def _prepare() -> Callable:
     return prepare
 
 
+def _sweep() -> list[Callable]:
+    from lit_mhar.sweeps import commands
+
+    return commands()
+
+
 # verb -> (loader of the function jsonargparse exposes, one-line help)
 FUNCTION_VERBS: dict[str, tuple[Callable[[], Callable], str]] = {
     "prepare": (_prepare, "tokenise a corpus (default: the Python standard library) into litdata chunks"),
+    "sweep": (_sweep, "Optuna sweeps of fit runs, in MLflow (sweep run --config FILE; sweep report --study NAME)"),
 }
 
 USAGE = """usage: lit-mhar COMMAND [options]   (lit-mhar COMMAND --help for a command's options)
