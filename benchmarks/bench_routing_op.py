@@ -73,7 +73,9 @@ def peers():
     try:
         from liger_kernel.transformers.functional import liger_attn_res
 
-        found["liger"] = lambda srcs, q, g: liger_attn_res(srcs, q, g, eps=1e-6)
+        # liger-kernel 0.8.5 documents a list of sources but indexes V.shape: it takes the stacked
+        # [N, ..., d] tensor, so the stack a model would need is part of its time
+        found["liger"] = lambda srcs, q, g: liger_attn_res(torch.stack(srcs), q, g, eps=1e-6)
     except Exception as e:  # noqa: BLE001
         print(f"liger unavailable: {e!r}", flush=True)
     return found
@@ -173,6 +175,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.config.cache_size_limit = 64
+    torch._functorch.config.donated_buffer = False  # the backward timing replays one graph (retain_graph)
     d, layers, _ = SCALES[args.scale]
     if DEVICE == "cpu":  # dry run: no events, no do_bench
         global do_bench
@@ -192,13 +195,13 @@ def main(argv=None):
         heads_list = [int(h) for h in args.heads.split(",")]
         for n, heads in [(9, h) for h in heads_list] + [(2 * layers + 1, h) for h in reversed(heads_list)]:
             variants = {"triton": lambda s, q, g, h=heads: triton_routing.depth_route(s, q, g, h)}
-            variants["eager"] = lambda s, q, g, h=heads: reference.depth_route(s, q, g, h)
-            if not args.no_compile:
-                variants["compiled"] = lambda s, q, g, h=heads: compiled(s, q, g, h)
             if heads == 1:
                 for k in ("liger", "fla"):
                     if k in peer_fns:
                         variants[k] = peer_fns[k]
+            variants["eager"] = lambda s, q, g, h=heads: reference.depth_route(s, q, g, h)
+            if not args.no_compile:
+                variants["compiled"] = lambda s, q, g, h=heads: compiled(s, q, g, h)
             t0 = time.time()
             bench_shape(args.scale, n, heads, variants, copy_gbps, writer, fh)
             print(f"{args.scale} N={n} H={heads}: {time.time() - t0:.0f}s", flush=True)

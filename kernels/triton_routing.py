@@ -47,10 +47,11 @@ from lit_mhar.kernels.reference import check_route_args
 
 # Largest padded width (next power of two of d) one program keeps in registers.
 MAX_BLOCK_D = 16384
-# Register budget of one program: sites x tokens x padded width fp32 elements of the accumulator
-# (forward) and of the gradient tile (backward). Eight warps hold 8192 elements in 32 registers
-# per thread for each such tensor. ``max_sites_per_pass`` follows from it.
-TILE_ELEMENTS = {"fwd": 4096, "bwd": 4096}
+# Tile of one program: sites x tokens x padded width fp32 elements of the accumulator (forward)
+# and of the gradient tile (backward), spread over bs*rows*width/512 warps (4 to 16), i.e. 16
+# elements per thread. ``MAX_TILE_ELEMENTS`` caps sites x width (one token per program) and gives
+# ``max_sites_per_pass``.
+TILE_ELEMENTS = {"fwd": 8192, "bwd": 4096}
 MAX_TILE_ELEMENTS = 8192
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
@@ -78,67 +79,60 @@ def _route_fwd(
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, STORE_SCORES: tl.constexpr,
 ):
+    # Every tensor is 4-D (site, token, head, lane) and every sum keeps its axis, so that all of
+    # them share one register layout: no tile is ever shuffled through shared memory.
     pid = tl.program_id(0)
-    rows = tl.cast(pid, tl.int64) * BM + tl.arange(0, BM)
-    offs_h = tl.arange(0, BH)
-    offs_j = tl.arange(0, BDH)
-    offs_s = tl.arange(0, BS)
-    col = offs_h[:, None] * DH + offs_j[None, :]  # [BH, BDH] channel of (head, lane)
-    cmask = (offs_h[:, None] < H) & (offs_j[None, :] < DH)
-    rmask = rows < M
-    smask = offs_s < n_sites
-    x_off = rows[:, None, None] * D + col[None, :, :]  # [BM, BH, BDH] int64
-    xmask = rmask[:, None, None] & cmask[None, :, :]
-    hm_off = rows[:, None] * H + offs_h[None, :]  # [BM, BH] int64
-    hmask = rmask[:, None] & (offs_h[None, :] < H)
-    w = tl.load(w_ptr + offs_s[:, None, None] * D + col[None, :, :], mask=smask[:, None, None] & cmask[None, :, :], other=0.0)
+    s_i = tl.arange(0, BS)[:, None, None, None]
+    rows = tl.cast(pid, tl.int64) * BM + tl.arange(0, BM)[None, :, None, None]
+    h_i = tl.arange(0, BH)[None, None, :, None]
+    j_i = tl.arange(0, BDH)[None, None, None, :]
+    col = h_i * DH + j_i  # [1, 1, BH, BDH] channel of (head, lane)
+    cmask = (h_i < H) & (j_i < DH)
+    smask = s_i < n_sites
+    x_off = rows * D + col  # [1, BM, BH, BDH] int64
+    xmask = (rows < M) & cmask
+    hm_off = rows * H + h_i  # [1, BM, BH, 1]
+    hmask = (rows < M) & (h_i < H)
+    w = tl.load(w_ptr + s_i * D + col, mask=smask & cmask, other=0.0)  # [BS, 1, BH, BDH] q * g
 
     if HAS_PRIOR:  # the prior enters as a source with score lse_prior and value o (BS == 1)
-        m_i = tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0)[None, :, :]
-        l_i = tl.full([BS, BM, BH], 1.0, tl.float32)
-        acc = tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)[None, :, :, :]
+        m_i = tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0)
+        l_i = tl.full([BS, BM, BH, 1], 1.0, tl.float32)
+        acc = tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
     else:
-        m_i = tl.full([BS, BM, BH], float("-inf"), tl.float32)
-        l_i = tl.full([BS, BM, BH], 0.0, tl.float32)
+        m_i = tl.full([BS, BM, BH, 1], float("-inf"), tl.float32)
+        l_i = tl.full([BS, BM, BH, 1], 0.0, tl.float32)
         acc = tl.full([BS, BM, BH, BDH], 0.0, tl.float32)
 
-    # Sources are loaded one iteration ahead so that two tiles are in flight per program.
-    # (the offset table has one spare entry; a load past the last source is masked off by rows)
+    # Sources are loaded one iteration ahead so that two tiles are in flight per program
+    # (the offset table has one spare entry; a load past the last source is masked off by rows).
     off = tl.multiple_of(tl.load(src_offs), ALIGN)
-    v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0))[:, None, None] & cmask[None, :, :], other=0.0)
+    v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
     for i in range(n_src):
-        v = v_next.to(tl.float32)  # [BM, BH, BDH]
+        v = v_next.to(tl.float32)  # [1, BM, BH, BDH]
         off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
-        v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0))[:, None, None] & cmask[None, :, :], other=0.0)
-        rstd = 1.0 / tl.sqrt(tl.reduce(tl.reduce(v * v, 2, _ADD), 1, _ADD) / D + eps)  # [BM]
-        s = tl.reduce(w[:, None, :, :] * v[None, :, :, :], 3, _ADD) * rstd[None, :, None]  # [BS, BM, BH]
+        v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
+        sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)  # [1, BM, 1, 1]
+        rstd = 1.0 / tl.sqrt(sq / D + eps)
+        s = tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd  # [BS, BM, BH, 1]
         if STORE_SCORES:
-            tl.store(scores_ptr + tl.cast(i, tl.int64) * M * H + hm_off, tl.reduce(s, 0, _ADD), mask=hmask)
+            tl.store(scores_ptr + tl.cast(i, tl.int64) * M * H + hm_off, s, mask=hmask)
         m_new = tl.maximum(m_i, s)
         scale = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new)
         l_i = l_i * scale + p
-        acc = acc * scale[:, :, :, None] + p[:, :, :, None] * v[None, :, :, :]
+        acc = acc * scale + p * v
         m_i = m_new
 
-    routed = acc / l_i[:, :, :, None]
-    tl.store(
-        lse_ptr + offs_s[:, None, None].to(tl.int64) * M * H + hm_off[None, :, :],
-        m_i + tl.log(l_i),
-        mask=smask[:, None, None] & hmask[None, :, :],
-    )
+    routed = acc / l_i
+    tl.store(lse_ptr + s_i * M * H + hm_off, m_i + tl.log(l_i), mask=smask & hmask)
     if ADDITIVE:  # Delta AttnRes: out = stream + gate * r (BS == 1)
         stream = tl.load(stream_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
         gate = tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32)
-        out = stream + gate[None, :, :] * tl.reduce(routed, 0, _ADD)
-        tl.store(out_base + x_off, out.to(out_base.dtype.element_ty), mask=xmask)
+        tl.store(out_base + x_off, (stream + gate * routed).to(out_base.dtype.element_ty), mask=xmask)
     else:
-        o_off = tl.load(out_offs + offs_s, mask=smask, other=0)
-        tl.store(
-            out_base + o_off[:, None, None, None] + x_off[None, :, :, :],
-            routed.to(out_base.dtype.element_ty),
-            mask=smask[:, None, None, None] & xmask[None, :, :, :],
-        )
+        o_off = tl.load(out_offs + s_i, mask=smask, other=0)  # [BS, 1, 1, 1]
+        tl.store(out_base + o_off + x_off, routed.to(out_base.dtype.element_ty), mask=smask & xmask)
 
 
 def _route_bwd(
@@ -156,89 +150,89 @@ def _route_bwd(
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    offs_h = tl.arange(0, BH)
-    offs_j = tl.arange(0, BDH)
-    offs_s = tl.arange(0, BS)
-    col = offs_h[:, None] * DH + offs_j[None, :]
-    cmask = (offs_h[:, None] < H) & (offs_j[None, :] < DH)
-    smask = offs_s < n_sites
-    wmask = smask[:, None, None] & cmask[None, :, :]
-    w = tl.load(w_ptr + offs_s[:, None, None] * D + col[None, :, :], mask=wmask, other=0.0)  # [BS, BH, BDH]
-    g_off = tl.load(g_offs + offs_s, mask=smask, other=0)
-    dw_acc = tl.full([BS, BH, BDH], 0.0, tl.float32)
+    s_i = tl.arange(0, BS)[:, None, None, None]
+    m_i = tl.arange(0, BM)[None, :, None, None]
+    h_i = tl.arange(0, BH)[None, None, :, None]
+    j_i = tl.arange(0, BDH)[None, None, None, :]
+    col = h_i * DH + j_i
+    cmask = (h_i < H) & (j_i < DH)
+    smask = s_i < n_sites
+    w = tl.load(w_ptr + s_i * D + col, mask=smask & cmask, other=0.0)  # [BS, 1, BH, BDH]
+    s_1d = tl.arange(0, BS)
+    g_off = tl.multiple_of(tl.load(g_offs + s_1d, mask=s_1d < n_sites, other=0), G_ALIGN)[:, None, None, None]
+    dw_acc = tl.full([BS, 1, BH, BDH], 0.0, tl.float32)
     if ADDITIVE:
         gate = tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32)
-        dgate_acc = tl.full([BH, BDH], 0.0, tl.float32)
+        dgate_acc = tl.full([1, 1, BH, BDH], 0.0, tl.float32)
 
     # Persistent programs: tile pid, pid + nprog, ... so that dw is summed in registers over many
     # tiles and each program writes one partial; the order is fixed, hence deterministic.
     for tile in range(pid, num_tiles, nprog):
-        rows = tl.cast(tile, tl.int64) * BM + tl.arange(0, BM)
-        rmask = rows < M
-        x_off = rows[:, None, None] * D + col[None, :, :]
-        xmask = rmask[:, None, None] & cmask[None, :, :]
-        hm_off = rows[:, None] * H + offs_h[None, :]
-        hmask = rmask[:, None] & (offs_h[None, :] < H)
-        sh_off = offs_s[:, None, None].to(tl.int64) * M * H + hm_off[None, :, :]
-        shmask = smask[:, None, None] & hmask[None, :, :]
-        g_ptrs = g_base + tl.multiple_of(g_off, G_ALIGN)[:, None, None, None] + x_off[None, :, :, :]
-        dout = tl.load(g_ptrs, mask=smask[:, None, None, None] & xmask[None, :, :, :], other=0.0).to(tl.float32)
+        rows = tl.cast(tile, tl.int64) * BM + m_i
+        x_off = rows * D + col
+        xmask = (rows < M) & cmask
+        hm_off = rows * H + h_i
+        hmask = (rows < M) & (h_i < H)
+        sh_off = s_i * M * H + hm_off  # [BS, BM, BH, 1]
+        shmask = smask & hmask
+        dout = tl.load(g_base + g_off + x_off, mask=smask & xmask, other=0.0).to(tl.float32)  # [BS, BM, BH, BDH]
         if ADDITIVE:
-            dr = dout * gate[None, None, :, :]
+            dr = dout * gate
         else:
             dr = dout
-        lse = tl.load(lse_ptr + sh_off, mask=shmask, other=0.0)  # [BS, BM, BH]
+        lse = tl.load(lse_ptr + sh_off, mask=shmask, other=0.0)
 
         # pass 1: D = sum_i alpha_i <dr, v_i>_h (and r itself for the gate's gradient)
-        dsum = tl.full([BS, BM, BH], 0.0, tl.float32)
+        dsum = tl.full([BS, BM, BH, 1], 0.0, tl.float32)
         if ADDITIVE:
-            racc = tl.full([BM, BH, BDH], 0.0, tl.float32)
+            racc = tl.full([1, BM, BH, BDH], 0.0, tl.float32)
         if HAS_PRIOR:
             po = tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
-            p_alpha = tl.exp(tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0)[None, :, :] - lse)
-            p_a = tl.reduce(dr * po[None, :, :, :], 3, _ADD)
+            p_alpha = tl.exp(tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0) - lse)
+            p_a = tl.reduce(dr * po, 3, _ADD, keep_dims=True)
             dsum += p_alpha * p_a
             if ADDITIVE:
-                racc += tl.reduce(p_alpha[:, :, :, None] * po[None, :, :, :], 0, _ADD)
+                racc += tl.reduce(p_alpha * po, 0, _ADD, keep_dims=True)
         off = tl.multiple_of(tl.load(src_offs), ALIGN)
-        v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0))[:, None, None] & cmask[None, :, :], other=0.0)
+        v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
         for i in range(n_src):
             v = v_next.to(tl.float32)
             off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
-            v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0))[:, None, None] & cmask[None, :, :], other=0.0)
-            rstd = 1.0 / tl.sqrt(tl.reduce(tl.reduce(v * v, 2, _ADD), 1, _ADD) / D + eps)
-            s = tl.reduce(w[:, None, :, :] * v[None, :, :, :], 3, _ADD) * rstd[None, :, None]
-            alpha = tl.exp(s - lse)
-            dsum += alpha * tl.reduce(dr * v[None, :, :, :], 3, _ADD)
+            v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
+            sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            rstd = 1.0 / tl.sqrt(sq / D + eps)
+            alpha = tl.exp(tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd - lse)
+            dsum += alpha * tl.reduce(dr * v, 3, _ADD, keep_dims=True)
             if ADDITIVE:
-                racc += tl.reduce(alpha[:, :, :, None] * v[None, :, :, :], 0, _ADD)
+                racc += tl.reduce(alpha * v, 0, _ADD, keep_dims=True)
         if HAS_DLSE:  # d lse_h enters every score like a constant shift of its D
             dsum -= tl.load(dlse_ptr + sh_off, mask=shmask, other=0.0)
         if ADDITIVE:
-            dgate_acc += tl.reduce(tl.reduce(dout, 0, _ADD) * racc, 0, _ADD)
+            dgate_acc += tl.reduce(tl.reduce(dout, 0, _ADD, keep_dims=True) * racc, 1, _ADD, keep_dims=True)
         if HAS_PRIOR:
-            tl.store(dprior_ptr + x_off, tl.reduce(p_alpha[:, :, :, None] * dr, 0, _ADD).to(dprior_ptr.dtype.element_ty), mask=xmask)
-            tl.store(dprior_lse_ptr + hm_off, tl.reduce(p_alpha * (p_a - dsum), 0, _ADD), mask=hmask)
+            tl.store(dprior_ptr + x_off, (p_alpha * dr).to(dprior_ptr.dtype.element_ty), mask=xmask)
+            tl.store(dprior_lse_ptr + hm_off, p_alpha * (p_a - dsum), mask=hmask)
 
         # pass 2: every source gradient, and dw summed over this program's tokens
         off = tl.multiple_of(tl.load(src_offs), ALIGN)
-        v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0))[:, None, None] & cmask[None, :, :], other=0.0)
+        v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
         for i in range(n_src):
             v = v_next.to(tl.float32)
             off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
-            v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0))[:, None, None] & cmask[None, :, :], other=0.0)
-            rstd = 1.0 / tl.sqrt(tl.reduce(tl.reduce(v * v, 2, _ADD), 1, _ADD) / D + eps)
-            s = tl.reduce(w[:, None, :, :] * v[None, :, :, :], 3, _ADD) * rstd[None, :, None]
+            v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
+            sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            rstd = 1.0 / tl.sqrt(sq / D + eps)  # [1, BM, 1, 1]
+            s = tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd  # [BS, BM, BH, 1]
             alpha = tl.where(shmask, tl.exp(s - lse), 0.0)
-            ds = alpha * (tl.reduce(dr * v[None, :, :, :], 3, _ADD) - dsum)  # [BS, BM, BH]
-            t = tl.reduce(tl.reduce(ds * s, 2, _ADD), 0, _ADD) / D  # [BM], summed over sites
-            dv = tl.reduce(alpha[:, :, :, None] * dr, 0, _ADD)  # through the weighted sum
-            dv += rstd[:, None, None] * tl.reduce(ds[:, :, :, None] * w[:, None, :, :], 0, _ADD)  # through the score
-            dv -= v * (rstd * rstd * t)[:, None, None]  # through the key's rstd
+            ds = alpha * (tl.reduce(dr * v, 3, _ADD, keep_dims=True) - dsum)
+            t = tl.reduce(tl.reduce(ds * s, 2, _ADD, keep_dims=True), 0, _ADD, keep_dims=True) / D  # [1, BM, 1, 1]
+            dv = tl.reduce(alpha * dr, 0, _ADD, keep_dims=True)  # through the weighted sum
+            dv += rstd * tl.reduce(ds * w, 0, _ADD, keep_dims=True)  # through the score
+            dv -= v * (rstd * rstd * t)  # through the key's rstd
             tl.store(dsrc_ptr + tl.cast(i, tl.int64) * M * D + x_off, dv.to(dsrc_ptr.dtype.element_ty), mask=xmask)
-            dw_acc += tl.reduce(ds[:, :, :, None] * (v * rstd[:, None, None])[None, :, :, :], 1, _ADD)
+            dw_acc += tl.reduce(ds * (v * rstd), 1, _ADD, keep_dims=True)
 
-    tl.store(dw_ptr + (pid * n_sites + offs_s[:, None, None]).to(tl.int64) * D + col[None, :, :], dw_acc, mask=wmask)
+    tl.store(dw_ptr + (pid * n_sites + s_i).to(tl.int64) * D + col, dw_acc, mask=smask & cmask)
     if ADDITIVE:
         tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col, dgate_acc, mask=cmask)
 

@@ -73,6 +73,11 @@ def check_route(n, heads, d, tokens, dtype, additive, seed=0):
     names = [f"source{i}" for i in range(n)] + ["query", "gain"] + (["stream", "gate"] if additive else [])
     for name, g_, r in zip(names, grads, ref_grads):
         assert g_.dtype == leaves[names.index(name)].dtype
+        if n == 1 and name in ("query", "gain"):
+            # a softmax over one source is constant: the exact gradient is 0, and ours is the
+            # float32 rounding of a - D (a ~ sqrt(d/H), summed over tokens)
+            assert torch.isfinite(g_).all() and g_.abs().max() < 1e-3 * tokens ** 0.5, f"d{name}: {g_.abs().max():.2e}"
+            continue
         err = rel_err(g_, r)
         assert err < tol, f"d{name}: relative error {err:.2e}"
 
