@@ -26,9 +26,23 @@ def _sweep() -> list[Callable]:
     return commands()
 
 
+def _probe() -> Callable:
+    from lit_mhar.probe import probe
+
+    return probe
+
+
+def _convert() -> Callable:
+    from lit_mhar.convert import convert
+
+    return convert
+
+
 # verb -> (loader of the function jsonargparse exposes, one-line help)
 FUNCTION_VERBS: dict[str, tuple[Callable[[], Callable], str]] = {
     "prepare": (_prepare, "tokenise a corpus (default: the Python standard library) into litdata chunks"),
+    "probe": (_probe, "measure a checkpoint's depth routing on held-out data (JSON + plots, logged to its MLflow run)"),
+    "convert": (_convert, "turn a prenorm model (lit-mhar, or local HF Llama / Qwen3) into an equivalent Delta-routed one"),
     "sweep": (_sweep, "Optuna sweeps of fit runs, in MLflow (sweep run --config FILE; sweep report --study NAME)"),
 }
 

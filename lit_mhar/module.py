@@ -48,6 +48,19 @@ class LitLM(L.LightningModule):
             ``lr * routing_lr_multiplier`` (Delta AttnRes fine-tuning used about 100x).
         routing_log_every_n_steps: how often routing statistics are computed and logged (0: never).
         compile: ``torch.compile`` the model.
+        init_from: A lit-mhar checkpoint (such as ``model.ckpt`` written by ``lit-mhar convert``)
+            whose model weights this run starts from: a new run at step 0 with a fresh optimizer
+            and schedule (mid-training), where ``fit --ckpt_path`` would resume the checkpoint's
+            own run. ``config`` must describe the checkpoint's model (``convert`` writes a
+            ``fit.yaml`` that does), except ``seq_len`` (RoPE is computed, not stored) and
+            ``vocab_size``, which may be smaller than the checkpoint's (data tokenised with the
+            source model's tokenizer, whose embedding table is often padded); the checkpoint's
+            vocabulary is kept. Checkpoints of such a run store the model's own config and no
+            ``init_from``, so they load without the file.
+
+    Raises:
+        ValueError: a bad hyperparameter, or ``config`` does not match the ``init_from`` checkpoint.
+        FileNotFoundError: ``init_from`` does not exist.
     """
 
     def __init__(
@@ -62,6 +75,7 @@ class LitLM(L.LightningModule):
         routing_lr_multiplier: float = 1.0,
         routing_log_every_n_steps: int = 50,
         compile: bool = False,
+        init_from: Optional[str] = None,
     ) -> None:
         super().__init__()
         if lr <= 0 or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0 or routing_lr_multiplier <= 0:
@@ -70,8 +84,16 @@ class LitLM(L.LightningModule):
                 f"warmup_steps >= 0 (got {warmup_steps}), routing_lr_multiplier > 0 (got {routing_lr_multiplier})"
             )
         self.save_hyperparameters()
+        weights = None
+        if init_from is not None:
+            from lit_mhar.convert import read_checkpoint, resolve_init_config
+
+            source_config, weights, _ = read_checkpoint(init_from)
+            config = resolve_init_config(config, source_config, init_from)
         self.config = config
         self.model = LM(config)
+        if weights is not None:
+            self.model.load_state_dict(weights)
         self._forward = torch.compile(self.model) if compile else self.model
         self._window_start: Optional[float] = None
         self._window_tokens = self._window_batches = 0
@@ -125,6 +147,26 @@ class LitLM(L.LightningModule):
             max_weight, entropy = routing_stats(w)
             self.log(f"routing/site_{site:02d}/max_weight", max_weight)
             self.log(f"routing/site_{site:02d}/entropy", entropy)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.hparams.get("init_from") is not None:
+            # self-contained: the model's own config (the init checkpoint's vocabulary), no init file
+            hp = checkpoint["hyper_parameters"]
+            hp["config"] = self.config.to_dict() if isinstance(hp.get("config"), dict) else self.config
+            hp["init_from"] = None
+        # The MLflow run this checkpoint belongs to, for tools that report back to it (lit-mhar probe).
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        from lit_mhar.probe import absolute_tracking_uri
+
+        for logger in self.loggers:
+            if isinstance(logger, MLFlowLogger) and logger.run_id is not None:
+                checkpoint["mlflow"] = {
+                    "tracking_uri": absolute_tracking_uri(logger.experiment.tracking_uri),
+                    "experiment_id": str(logger.experiment_id),
+                    "run_id": str(logger.run_id),
+                }
+                break
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         loss = self._loss(batch)
