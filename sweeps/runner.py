@@ -142,7 +142,12 @@ def open_storage(url: str, heartbeat_interval: Optional[int] = None, grace_perio
         if url.startswith("sqlite") and not Path(url.split(":///", 1)[1]).parent.is_dir():
             raise FileNotFoundError(f"folder {Path(url.split(':///', 1)[1]).parent} does not exist")
         grace = None if heartbeat_interval is None else (grace_period or 4 * heartbeat_interval)
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval, grace_period=grace)
+        lock = StorageLock(url)  # two processes creating a new sqlite schema at once collide ("table trials already exists")
+        lock.acquire()
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval, grace_period=grace)
+        finally:
+            lock.release()
     except Exception as e:  # noqa: BLE001 - any failure to open is reported with the URL
         raise ValueError(
             f"storage {redact(url)!r} is unreachable ({type(e).__name__}: {e}). Valid: an RDB URL such as "
@@ -659,10 +664,19 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def work(ctx: Context) -> None:
     """One worker: takes trials until the grid (or ``sampler.n_trials``) is done. ``--workers N`` runs N of these."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        _work(ctx)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _work(ctx: Context) -> None:
     import optuna
 
-    signal.signal(signal.SIGTERM, _interrupt)
-    logging.getLogger("optuna.study._optimize").addFilter(_Quiet())
+    optimize_logger = logging.getLogger("optuna.study._optimize")
+    if not any(isinstance(f, _Quiet) for f in optimize_logger.filters):
+        optimize_logger.addFilter(_Quiet())
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = open_storage(ctx.storage, ctx.heartbeat_interval, ctx.grace_period)
     study = optuna.load_study(

@@ -82,13 +82,23 @@ class OptunaPruning(L.Callback):
             self._trial = optuna.trial.Trial(study, self.trial_id)
         return self._trial
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def _check_parent(self, trainer: L.Trainer) -> None:
         if os.getppid() != self._parent:
             self.orphaned = True
             trainer.should_stop = True
 
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_parent(trainer)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> Optional[int]:
+        self._check_parent(trainer)
+        return -1 if self.orphaned else None  # -1 skips the rest of the epoch
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._check_parent(trainer)
+
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or self.pruned_at is not None:
+        if trainer.sanity_checking or self.pruned_at is not None or self.orphaned:
             return
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
@@ -124,7 +134,14 @@ def run_trial(config: str, result: str) -> int:
         cli = run_lightning(["fit", "--config", config])
         pruning = next((c for c in cli.trainer.callbacks if isinstance(c, OptunaPruning)), None)
         outcome.update(status="ok", global_step=cli.trainer.global_step, pruned_at=pruning and pruning.pruned_at)
-        code = 3 if pruning is not None and pruning.orphaned else 0
+        code = 0
+        if pruning is not None and pruning.orphaned:  # the runner died: this run is not a result
+            outcome.update(status="error", error="stopped: the sweep runner that started this trial died")
+            logger = cli.trainer.logger
+            if logger is not None and hasattr(logger, "run_id") and hasattr(logger, "experiment"):
+                logger.experiment.set_tag(logger.run_id, "optuna.trial_state", "FAIL")
+                logger.experiment.set_terminated(logger.run_id, "KILLED")
+            code = 3
     except SystemExit as e:  # jsonargparse reports bad arguments by exiting
         if e.code in (0, None):
             outcome.update(status="ok")

@@ -1,0 +1,330 @@
+"""``lit-mhar sweep``: search-space parsing, budgets, bad input, and real sweeps of real fits on tiny data.
+
+The sweeps here are the shipped ``sweeps/debug.yaml`` with a tiny model (d=32, one layer) on a
+corpus of a few stdlib modules prepared into tmp_path, so each trial is a real ``lit-mhar fit``
+subprocess of a few seconds plus its start-up (importing Lightning and MLflow: ~15 s on two cores).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from lit_mhar.cli import main
+from lit_mhar.sweeps.runner import open_storage, run
+from lit_mhar.sweeps.space import Objective, SearchSpace, compose_trial_config, token_budget
+
+ROOT = Path(__file__).resolve().parents[1]
+S = optuna.trial.TrialState
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A tiny dataset of real stdlib modules, prepared with `prepare(source="files")`."""
+    from lit_mhar.data import prepare
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [str(stdlib / name) for name in ("textwrap.py", "shlex.py", "colorsys.py", "bisect.py", "heapq.py", "fnmatch.py",
+                                             "glob.py", "string.py", "keyword.py", "struct.py", "copy.py", "abc.py")]
+    out = tmp_path_factory.mktemp("corpus") / "data"
+    prepare(output_dir=str(out), source="files", files=files, vocab_size=300, val_fraction=0.3, chunk_bytes="64KB")
+    return out
+
+
+def write_sweep(tmp: Path, corpus: Path, study: str, space, **fields) -> Path:
+    """sweeps/debug.yaml with a tiny model, the corpus, and every store inside ``tmp``."""
+    sweep = yaml.safe_load((ROOT / "sweeps" / "debug.yaml").read_text())
+    sweep["study"] = study
+    sweep["space"] = space
+    sweep["base"]["model"]["config"].update(d_model=32, n_layer=1, n_head=2, n_kv_head=1, ffn_dim=64)
+    sweep["base"]["model"]["warmup_steps"] = 2
+    sweep["base"]["data"].update(data_dir=str(corpus), seq_len=32, batch_size=4)
+    sweep["base"]["trainer"].update(log_every_n_steps=2, limit_val_batches=2)
+    sweep["objective"] = {"tokens": 1024, "evals": 2}  # 8 steps of 4 x 32 tokens
+    sweep["storage"] = f"sqlite:///{tmp / 'sweeps.db'}"
+    sweep["mlflow"] = {"experiment": "sweeps-test", "tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "artifact_location": str(tmp / "artifacts")}
+    sweep["output_dir"] = str(tmp / "runs")
+    sweep.update(fields)
+    path = tmp / f"{study}.yaml"
+    path.write_text(yaml.safe_dump(sweep, sort_keys=False))
+    return path
+
+
+def load(tmp: Path, study: str) -> optuna.Study:
+    return optuna.load_study(study_name=study, storage=open_storage(f"sqlite:///{tmp / 'sweeps.db'}"))
+
+
+def cli(*args: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lit_mhar.cli", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+# ----------------------------------------------------------------------------- the space, no training
+
+
+def test_union_of_grids_runs_the_baseline_once_and_each_routed_point_once():
+    space = SearchSpace.parse([{"residual": ["prenorm"], "scale": ["20m"]}, {"residual": ["delta", "prenorm"], "heads": [1, 4], "scale": ["20m"]},
+                               {"residual": ["prenorm"], "scale": ["20m"]}])
+    points = space.grid()
+    assert points[0] == {"residual": "prenorm", "scale": "20m"}
+    assert [p for p in points if "heads" in p] == [
+        {"residual": r, "heads": h, "scale": "20m"} for r in ("delta", "prenorm") for h in (1, 4)
+    ]
+    assert len(points) == 5  # the third sub-grid repeats the first and adds nothing
+    assert space.choices("residual") == ("prenorm", "delta")
+
+
+@pytest.mark.parametrize(
+    "space, message",
+    [
+        ({"headz": [1, 2]}, "unknown parameter 'headz'"),
+        ({"heads": []}, "space.heads is an empty list"),
+        ({}, "non-empty mapping"),
+        ([], "space is an empty list"),
+        ({"trainer.max_steps": [10]}, "set from objective.tokens"),
+        ({"model.config.heads": [2]}, "short name 'heads'"),
+        ({"residual": ["mhar"]}, "valid: ['prenorm', 'attnres', 'delta']"),
+        ({"heads": [0, 2]}, "integer >= 1"),
+        ({"scale": ["7b"]}, "valid presets"),
+        ({"lr": {"low": 1e-2, "high": 1e-4, "log": True}}, "must be below high"),
+        ({"lr": {"low": 0.0, "high": 1e-2, "log": True}}, "log range needs low > 0"),
+        ({"lr": {"low": 1e-4}}, "low and high are required"),
+        ({"heads": [2, 2]}, "lists a value twice"),
+    ],
+    ids=["unknown-name", "empty-list", "empty-mapping", "empty-union", "reserved", "long-form-of-short-name", "bad-residual",
+         "zero-heads", "unknown-scale", "inverted-range", "log-from-zero", "half-range", "duplicate-value"],
+)
+def test_bad_space_names_the_parameter(space, message):
+    with pytest.raises(ValueError) as error:
+        SearchSpace.parse(space)
+    assert message in str(error.value)
+
+
+def test_ranges_are_for_tpe_and_random_not_grids():
+    space = SearchSpace.parse({"lr": {"low": "1e-4", "high": 1e-2, "log": True}, "model.warmup_steps": {"low": 1, "high": 9}})
+    assert space.subspaces[0]["lr"].low == 1e-4 and not space.subspaces[0]["model.warmup_steps"].log
+    assert space.subspaces[0]["model.warmup_steps"].integer
+    from lit_mhar.sweeps.space import Sampler
+
+    with pytest.raises(ValueError, match="space.lr is a range, which a grid cannot enumerate"):
+        space.check_sampler(Sampler(name="grid"))
+    space.check_sampler(Sampler(name="tpe", n_trials=4))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(20):
+        params = space.suggest(study.ask())
+        assert 1e-4 <= params["lr"] <= 1e-2 and params["model.warmup_steps"] in range(1, 10)
+
+
+def test_token_budget_gives_whole_validations_and_needs_a_fixed_device_count():
+    resolved = {"data": {"batch_size": 4, "seq_len": 32}, "trainer": {"devices": 1, "accumulate_grad_batches": 1, "num_nodes": 1}}
+    budget = token_budget(Objective(tokens=10_000, evals=4), resolved)
+    assert (budget.tokens_per_step, budget.val_every, budget.max_steps) == (128, 20, 80)  # 79 steps rounded up to 4 x 20
+    assert budget.tokens == 80 * 128 >= 10_000
+    assert token_budget(Objective(tokens=10_000, evals=4), {**resolved, "trainer": {"devices": "2", "accumulate_grad_batches": 2}}).tokens_per_step == 512
+    with pytest.raises(ValueError, match="trainer.devices='auto'"):
+        token_budget(Objective(), {**resolved, "trainer": {"devices": "auto"}})
+    with pytest.raises(ValueError, match="fewer than objective.evals=4"):
+        token_budget(Objective(tokens=200, evals=4), resolved)
+
+
+def test_trial_config_is_base_then_scale_then_point():
+    base = {"model": {"config": {"name": "20m"}, "lr": 1e-3}, "data": {"seq_len": 1024}}
+    per_scale = {"100m": {"model": {"lr": 5e-4}, "data": {"batch_size": 16}}}
+    config = compose_trial_config(base, per_scale, {"scale": "100m", "heads": 4, "seed": 7, "model.warmup_steps": 10})
+    assert config["model"] == {"config": {"name": "100m", "heads": 4}, "lr": 5e-4, "warmup_steps": 10}
+    assert config["data"] == {"seq_len": 1024, "batch_size": 16, "seed": 7} and config["seed_everything"] == 7
+    assert base["model"]["config"] == {"name": "20m"}  # not modified
+
+
+# ----------------------------------------------------------------------------- bad input before any trial
+
+
+@pytest.mark.parametrize(
+    "storage, message",
+    [("sqlite:////no/such/folder/sweeps.db", "folder /no/such/folder does not exist"),
+     ("postgresql://sweeper:secret@127.0.0.1:1/optuna", "unreachable"),
+     ("sweeps.db", "not a URL"),
+     ("sqlite://", "in-memory")],
+    ids=["sqlite-missing-folder", "postgres-unreachable", "no-scheme", "in-memory"],
+)
+def test_unusable_storage_fails_before_anything_is_created(tmp_path, corpus, storage, message, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as error:
+        run(study="s", space={"heads": [1]}, base={"model": {"config": {"name": "debug", "residual": "attnres"}}}, storage=storage,
+            output_dir=str(tmp_path / "runs"))
+    assert message in str(error.value)
+    assert "secret" not in str(error.value)  # the password is not printed
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "runs").exists()
+
+
+def test_unknown_fit_argument_in_the_space_fails_before_the_study_exists(tmp_path, corpus, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = write_sweep(tmp_path, corpus, "typo", [{"residual": ["prenorm"], "model.warmup_stepz": [5]}])
+    with pytest.raises(ValueError, match="warmup_stepz"):
+        main(["sweep", "run", "--config", str(path)])
+    assert "typo" not in optuna.get_all_study_names(open_storage(f"sqlite:///{tmp_path / 'sweeps.db'}"))
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_sweep_help_lists_run_and_report(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["sweep", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "run" in out and "report" in out
+
+
+@pytest.mark.parametrize("name", ["debug.yaml", "h_sweep.yaml"])
+def test_shipped_sweeps_parse(name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["sweep", "run", "--config", str(ROOT / "sweeps" / name), "--print_config"])
+    assert exit_.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    space = SearchSpace.parse(printed["space"])
+    assert space.grid()
+    if name == "h_sweep.yaml":
+        points = space.grid()
+        assert {p["heads"] for p in points if "heads" in p} == {1, 2, 4, 8, 16}
+        assert {p["scale"] for p in points} == {"20m", "100m"} and len(points) == 42
+
+
+# ----------------------------------------------------------------------------- real sweeps
+
+
+def test_debug_sweep_end_to_end(tmp_path, corpus, monkeypatch):
+    """Optuna study, MLflow parent and children, a trial that raises, an invalid model, resume, report."""
+    monkeypatch.chdir(tmp_path)
+    space = [
+        {"residual": ["prenorm"]},
+        # raises inside the trial process (no dataset there), after its config passed every check
+        {"residual": ["attnres"], "heads": [1], "data.data_dir": [str(tmp_path / "missing")], "data.prepare_if_missing": [False]},
+        {"residual": ["attnres"], "heads": [2, 3]},  # H=3 does not divide d=32: FAIL before it starts
+    ]
+    path = write_sweep(tmp_path, corpus, "e2e", space)
+    assert main(["sweep", "run", "--config", str(path)]) == 0
+
+    study = load(tmp_path, "e2e")
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [S.COMPLETE, S.FAIL, S.COMPLETE, S.FAIL]
+    assert "No dataset at" in trials[1].user_attrs["lit_mhar.fail_reason"]
+    assert "ModelConfig.heads=3 must divide d_model=32" in trials[3].user_attrs["lit_mhar.fail_reason"]
+    assert trials[2].datetime_start > trials[1].datetime_complete  # the sweep went on after the crash
+    for t in (trials[0], trials[2]):
+        assert sorted(t.intermediate_values) == [1, 2] and t.value == t.intermediate_values[2]
+        assert t.user_attrs["lit_mhar.max_steps"] == 8 and t.user_attrs["lit_mhar.tokens"] == 1024
+        assert t.user_attrs["lit_mhar.tokens_per_s"] > 0
+    assert trials[2].params == {"residual": "attnres", "heads": 2}
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("sweeps-test")
+    runs = client.search_runs([experiment.experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("lit_mhar.sweep") == "parent"]
+    assert parent.info.run_name == "e2e" and parent.info.status == "FINISHED"
+    children = {int(r.data.tags["optuna.trial_number"]): r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert sorted(children) == [0, 1, 2, 3]
+    assert [children[i].data.tags["optuna.trial_state"] for i in range(4)] == ["COMPLETE", "FAIL", "COMPLETE", "FAIL"]
+    assert [children[i].info.status for i in range(4)] == ["FINISHED", "FAILED", "FINISHED", "FAILED"]
+    complete = children[2]
+    assert complete.data.metrics["sweep/val_loss"] == pytest.approx(trials[2].value)
+    assert complete.data.metrics["val/loss"] == pytest.approx(trials[2].value)
+    assert complete.data.params["sweep.heads"] == "2" and "perf/tokens_per_s" in complete.data.metrics
+    artifacts = {a.path for a in client.list_artifacts(complete.info.run_id)}
+    assert {"config.yaml", "trial.yaml", "trial.log"} <= artifacts  # the fit's resolved config, the sweep's input, the log
+    assert "lit_mhar.git_commit" in complete.data.tags
+
+    # The same command again resumes: nothing is left, nothing runs twice.
+    assert main(["sweep", "run", "--config", str(path)]) == 0
+    assert len(load(tmp_path, "e2e").trials) == 4
+    # A changed sweep under the same study name is refused, and nothing is added.
+    with pytest.raises(ValueError, match="made by a different sweep .*objective"):
+        main(["sweep", "run", "--config", str(path), "--objective.tokens", "2048"])
+    assert len(load(tmp_path, "e2e").trials) == 4
+
+    storage = f"sqlite:///{tmp_path / 'sweeps.db'}"
+    assert main(["sweep", "report", "--study", "e2e", "--storage", storage, "--output_dir", str(tmp_path / "report")]) == 0
+    out = tmp_path / "report"
+    for png in ("val_loss_vs_heads.png", "val_loss_vs_block_size.png", "tokens_per_s_vs_heads.png", "peak_memory_vs_heads.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = (out / "summary.csv").read_text().splitlines()
+    assert len(summary) == 3 and summary[1].startswith("debug,prenorm,1,1") and summary[2].startswith("debug,attnres,1,2")
+    report_md = (out / "report.md").read_text()
+    assert "No dataset at" in report_md and "heads=3 must divide" in report_md and "1,024 training tokens" in report_md
+    with (out / "trials.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["state"] for r in rows] == ["COMPLETE", "FAIL", "COMPLETE", "FAIL"] and "No dataset at" in rows[1]["fail_reason"]
+    logged = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+    assert "report/val_loss_vs_heads.png" in logged and "report/summary.md" in logged
+    with pytest.raises(ValueError, match="not empty; pass --overwrite true"):
+        main(["sweep", "report", "--study", "e2e", "--storage", storage, "--output_dir", str(out)])
+    with pytest.raises(ValueError, match=r"no study 'nope' .* studies there: \['e2e'\]"):
+        main(["sweep", "report", "--study", "nope", "--storage", storage])
+
+
+@pytest.mark.slow
+def test_two_commands_and_two_workers_share_a_grid_each_point_exactly_once(tmp_path, corpus):
+    """`sweep run --workers 2` and a second `sweep run` started at the same moment on one sqlite study."""
+    space = [{"residual": ["prenorm"]}, {"residual": ["attnres"], "heads": [1, 2, 4]}, {"residual": ["delta"], "heads": [2]}]
+    path = write_sweep(tmp_path, corpus, "shared", space)
+    procs = [cli("sweep", "run", "--config", str(path), "--workers", "2", cwd=tmp_path), cli("sweep", "run", "--config", str(path), cwd=tmp_path)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    trials = load(tmp_path, "shared").get_trials()
+    assert len(trials) == 5 and all(t.state == S.COMPLETE for t in trials), [(t.number, t.state, t.user_attrs) for t in trials]
+    points = [json.dumps(t.params, sort_keys=True) for t in trials]
+    assert len(set(points)) == 5
+    assert len({t.user_attrs["lit_mhar.pid"] for t in trials}) >= 2  # the work was shared
+    created = sum("created study" in o for o in outputs)
+    assert created == 1  # one creator; the other command resumed the same study and parent run
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("sweeps-test").experiment_id])
+    assert sum(r.data.tags.get("lit_mhar.sweep") == "parent" for r in runs) == 1 and len(runs) == 6
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_without_redoing_finished_trials(tmp_path, corpus):
+    space = [{"residual": ["prenorm"]}, {"residual": ["attnres"], "heads": [1, 2]}]
+    path = write_sweep(tmp_path, corpus, "killed", space)
+    proc = cli("sweep", "run", "--config", str(path), cwd=tmp_path)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill it while trial 1 trains, after trial 0 finished
+        try:
+            trials = load(tmp_path, "killed").get_trials()
+        except KeyError:
+            trials = []
+        if len(trials) > 1 and trials[0].state == S.COMPLETE and trials[1].state == S.RUNNING:
+            break
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.5)
+    else:
+        pytest.fail("trial 1 never started")
+    first_value = trials[0].value
+    os.kill(proc.pid, signal.SIGKILL)  # no cleanup at all
+    proc.wait()
+    assert load(tmp_path, "killed").trials[1].state == S.RUNNING  # left behind
+
+    assert main(["sweep", "run", "--config", str(path)]) == 0
+    trials = load(tmp_path, "killed").get_trials()
+    complete = [t for t in trials if t.state == S.COMPLETE]
+    assert sorted(json.dumps(t.params, sort_keys=True) for t in complete) == sorted(json.dumps(p, sort_keys=True) for p in (
+        {"residual": "prenorm"}, {"residual": "attnres", "heads": 1}, {"residual": "attnres", "heads": 2}))
+    assert trials[0].state == S.COMPLETE and trials[0].value == first_value  # not run again
+    assert trials[1].state == S.FAIL and "lit_mhar.fail_reason" not in trials[1].user_attrs  # interrupted, then re-run:
+    assert [t.params for t in complete if t.number > 2] == [trials[1].params]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_1 = client.get_run(trials[1].user_attrs["lit_mhar.mlflow_run_id"])
+    deadline = time.time() + 60  # the orphaned trial process stops at its next batch and closes its run as KILLED
+    while run_1.info.status != "KILLED" and time.time() < deadline:
+        time.sleep(1)
+        run_1 = client.get_run(run_1.info.run_id)
+    assert run_1.info.status == "KILLED"
