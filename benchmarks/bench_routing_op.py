@@ -29,7 +29,6 @@ import time
 import traceback
 
 import torch
-import triton
 from triton.testing import do_bench
 
 from lit_mhar.kernels import reference

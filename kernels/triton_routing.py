@@ -35,7 +35,6 @@ on CUDA tensors they are compiled.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional, Sequence
 
 import torch
