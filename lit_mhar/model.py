@@ -7,7 +7,7 @@ Token embedding, RoPE, grouped-query attention with QK-RMSNorm through
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +33,59 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+class LayerCache(NamedTuple):
+    """One attention layer's view of a :class:`KVCache` for one forward call.
+
+    Attributes:
+        k, v: ``[B, n_kv_head, L, head_dim]`` key / value buffers of this layer, written in place.
+        positions: ``[T]`` int64 positions of the T tokens of this call, or None for a prefill from
+            position 0 (keys and values go to ``[:T]`` and attention is the training's causal one).
+        mask: ``[T, L]`` bool, True where a query may attend to a cached position (``j <= positions[t]``);
+            None with ``positions`` None.
+    """
+
+    k: Tensor
+    v: Tensor
+    positions: Optional[Tensor]
+    mask: Optional[Tensor]
+
+
+class KVCache:
+    """Keys and values of every attention layer for incremental decoding (one step = T new tokens).
+
+    Buffers are allocated once, ``[B, n_kv_head, max_len, head_dim]`` per layer (zeros), and written in
+    place, so a decode step has static shapes (CUDA graphs can capture it). Depth routing needs no
+    cache: it is per token, over the token's own depth history, so a decode step routes only the
+    new token's sublayer outputs (AttnRes, Sec. 4: the depth history is not part of the KV cache).
+
+    Args:
+        cfg: the model's config.
+        batch_size: rows B (a prefill of one row fills every row: one prompt, B samples).
+        max_len: positions L the cache holds, at most ``cfg.seq_len``.
+        device, dtype: of the buffers; the model's (or its autocast dtype) for no conversion.
+
+    Raises:
+        ValueError: ``batch_size`` < 1 or ``max_len`` outside ``[1, cfg.seq_len]``.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device: torch.device | str, dtype: torch.dtype) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"KVCache: batch_size={batch_size!r} must be an integer >= 1")
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len <= cfg.seq_len:
+            raise ValueError(f"KVCache: max_len={max_len!r} must be an integer in [1, {cfg.seq_len}] (ModelConfig.seq_len)")
+        shape = (batch_size, cfg.n_kv_head, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.batch_size, self.max_len = batch_size, max_len
+
+
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with QK-RMSNorm (unless ``cfg.qk_norm`` is False) and RoPE. ``[B, T, d] -> [B, T, d]``."""
+    """Causal grouped-query self-attention with QK-RMSNorm (unless ``cfg.qk_norm`` is False) and RoPE. ``[B, T, d] -> [B, T, d]``.
+
+    With a :class:`LayerCache`, the new keys and values are written into the cache first; a prefill
+    from position 0 then attends causally over its own tokens (the training computation), any other
+    step attends over the whole cache under ``cache.mask``.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -47,14 +98,36 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Optional[LayerCache] = None) -> Tensor:
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_head != self.n_kv_head)
+        if cache is not None and cache.positions is not None:
+            y = self._cached_attention(q, k, v, cache)
+        else:
+            if cache is not None:  # prefill from position 0 (one row may fill every row of the cache)
+                cache.k[:, :, :T] = k
+                cache.v[:, :, :T] = v
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_head != self.n_kv_head)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def _cached_attention(self, q: Tensor, k: Tensor, v: Tensor, cache: LayerCache) -> Tensor:
+        """Write ``k, v`` at ``cache.positions``; attend ``q`` ``[B, n_head, T, hd]`` over the cache under its mask.
+
+        The query heads sharing a KV head are folded into the query length (``[B, n_kv, group * T, hd]``),
+        so grouped-query attention reads each cached key once and needs no ``enable_gqa`` support
+        from the masked SDPA backends.
+        """
+        B, _, T, hd = q.shape
+        cache.k.index_copy_(2, cache.positions, k.to(cache.k.dtype))
+        cache.v.index_copy_(2, cache.positions, v.to(cache.v.dtype))
+        group = self.n_head // self.n_kv_head
+        q = q.reshape(B, self.n_kv_head, group * T, hd)
+        mask = cache.mask.repeat(group, 1)  # [group * T, L], rows in (group, T) order like q
+        y = F.scaled_dot_product_attention(q.to(cache.k.dtype), cache.k, cache.v, attn_mask=mask)
+        return y.view(B, self.n_head, T, hd).to(v.dtype)
 
 
 class MLP(nn.Module):
@@ -107,11 +180,13 @@ class Block(nn.Module):
         cos: Tensor,
         sin: Tensor,
         weights: Optional[list[Tensor]] = None,
+        cache: Optional[LayerCache] = None,
     ) -> Optional[Tensor]:
         """Run both sublayers. ``h`` is the residual stream ``[B, T, d]`` (None for attnres, which
         has none); ``history`` collects sublayer outputs; routing weights are appended to
-        ``weights`` when it is a list."""
-        sublayers = ((self.attn_norm, self.attn_site, lambda x: self.attn(x, cos, sin)), (self.mlp_norm, self.mlp_site, self.mlp))
+        ``weights`` when it is a list; ``cache`` is this layer's KV cache (decoding)."""
+        attn = (lambda x: self.attn(x, cos, sin)) if cache is None else (lambda x: self.attn(x, cos, sin, cache))
+        sublayers = ((self.attn_norm, self.attn_site, attn), (self.mlp_norm, self.mlp_site, self.mlp))
         for j, (norm, site, fn) in enumerate(sublayers):
             x = h if site is None else route(site, history, h, weights)
             out = fn(norm(x))
@@ -163,19 +238,39 @@ class LM(nn.Module):
             if isinstance(m, (nn.RMSNorm, RoutingSite)):
                 m.reset_parameters()
 
-    def forward(self, idx: Tensor, return_routing: bool = False) -> Tensor | tuple[Tensor, list[Tensor]]:
+    def forward(
+        self, idx: Tensor, return_routing: bool = False, cache: Optional[KVCache] = None, pos: int | Tensor = 0
+    ) -> Tensor | tuple[Tensor, list[Tensor]]:
         """Logits ``[B, T, V]`` for token ids ``idx`` ``[B, T]``.
 
         With ``return_routing``, also the routing weights of every site in depth order (2L + 1
         sites, the last before the LM head), each ``[N_l, B, T, H]`` float32.
 
+        With ``cache`` (a :class:`KVCache`, see :meth:`new_cache`), ``idx`` are the tokens at positions
+        ``pos .. pos + T - 1``: their keys and values are written into the cache and they attend to
+        every cached position before them, so a prompt can be prefilled in one call (``pos=0``) and
+        then decoded one token per call. Depth routing is unchanged: it is per token, over the
+        token's own sublayer outputs, and uses the same routing op as training (two-phase block
+        routing on the fused kernels, AttnRes Sec. 4). ``pos`` is an int, or a 0-d int64 tensor on
+        the model's device for decode steps a CUDA graph replays (then it is not range-checked).
+        ``pos=0`` as an int is the prefill path: the training's causal attention over ``idx``, one
+        row of ``idx`` filling every row of the cache.
+
         Raises:
-            ValueError: T larger than ``cfg.seq_len``.
+            ValueError: T larger than ``cfg.seq_len``; with a cache, an int ``pos`` with ``pos + T``
+                beyond the cache, or a batch other than the cache's (or 1 at ``pos=0``); a non-zero
+                ``pos`` without a cache.
         """
         T = idx.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than ModelConfig.seq_len={self.cfg.seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        if cache is None:
+            if not (isinstance(pos, int) and pos == 0):
+                raise ValueError(f"LM.forward: pos={pos!r} needs a cache (positions are offsets into a KVCache)")
+            cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+            layer_caches: list[Optional[LayerCache]] = [None] * len(self.blocks)
+        else:
+            cos, sin, layer_caches = self._cache_step(idx, cache, pos)
         weights: Optional[list[Tensor]] = [] if return_routing else None
         x = self.embed(idx)
         history = None
@@ -186,12 +281,34 @@ class LM(nn.Module):
             two_phase = self.cfg.block_size > 1 and not return_routing and resolve_backend(x) == "triton"
             history = DepthHistory(x.to(dtype), self.cfg.block_size, self.routing_sites(), two_phase)
         h = None if self.cfg.residual == "attnres" else x
-        for block in self.blocks:
-            h = block(h, history, cos, sin, weights)
+        for block, layer_cache in zip(self.blocks, layer_caches):
+            h = block(h, history, cos, sin, weights) if layer_cache is None else block(h, history, cos, sin, weights, layer_cache)
         if self.final_site is not None:
             h = route(self.final_site, history, h, weights)
         logits = self.lm_head(self.norm(h))
         return (logits, weights) if return_routing else logits
+
+    def new_cache(self, batch_size: int, max_len: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> KVCache:
+        """An empty :class:`KVCache` on the model's device: ``max_len`` positions (default ``seq_len``),
+        in ``dtype`` (default the model's parameter dtype)."""
+        p = self.embed.weight
+        return KVCache(self.cfg, batch_size, self.cfg.seq_len if max_len is None else max_len, p.device, dtype or p.dtype)
+
+    def _cache_step(self, idx: Tensor, cache: KVCache, pos: int | Tensor) -> tuple[Tensor, Tensor, list[LayerCache]]:
+        """RoPE angles and per-layer cache views for tokens ``idx`` at positions ``pos .. pos + T - 1``."""
+        B, T = idx.shape
+        if isinstance(pos, Tensor):
+            positions = pos.reshape(()) + torch.arange(T, device=idx.device)
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        else:
+            if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0 or pos + T > cache.max_len:
+                raise ValueError(f"LM.forward: pos={pos!r} with {T} tokens must satisfy 0 <= pos and pos + T <= {cache.max_len} (the cache's max_len)")
+            positions = None if pos == 0 else torch.arange(pos, pos + T, device=idx.device)
+            cos, sin = self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T]
+        if B != cache.batch_size and not (positions is None and B == 1):
+            raise ValueError(f"LM.forward: batch of {B} rows, the cache has {cache.batch_size} (a prefill at pos=0 may also have 1)")
+        mask = None if positions is None else torch.arange(cache.max_len, device=idx.device) <= positions[:, None]
+        return cos, sin, [LayerCache(k, v, positions, mask) for k, v in zip(cache.k, cache.v)]
 
     def routing_sites(self) -> list[RoutingSite]:
         """Routing sites in depth order: site ``l`` before sublayer ``l`` (attention 2i, MLP 2i+1), then the final one."""
