@@ -38,11 +38,18 @@ def _convert() -> Callable:
     return convert
 
 
+def _generate() -> Callable:
+    from lit_mhar.generate import generate
+
+    return generate
+
+
 # verb -> (loader of the function jsonargparse exposes, one-line help)
 FUNCTION_VERBS: dict[str, tuple[Callable[[], Callable], str]] = {
     "prepare": (_prepare, "tokenise a corpus (default: the Python standard library) into litdata chunks"),
     "probe": (_probe, "measure a checkpoint's depth routing on held-out data (JSON + plots, logged to its MLflow run)"),
     "convert": (_convert, "turn a prenorm model (lit-mhar, or local HF Llama / Qwen3) into an equivalent Delta-routed one"),
+    "generate": (_generate, "sample text from a checkpoint (KV cache; --ckpt PATH --prompt TEXT, streams to the terminal)"),
     "sweep": (_sweep, "Optuna sweeps of fit runs, in MLflow (sweep run --config FILE; sweep report --study NAME)"),
 }
 

@@ -1,0 +1,304 @@
+"""Generation: KV-cached decoding against the full forward for every variant, sampling, and
+``lit-mhar generate`` end to end on a checkpoint trained through the real CLI."""
+
+from __future__ import annotations
+
+import io
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from test_model import naive_forward, randomize_routing  # the float64 reading of the equations
+
+from lit_mhar import LM, ModelConfig
+from lit_mhar.cli import main
+from lit_mhar.generate import TextStreams, generate, generate_ids, sample_next
+from lit_mhar.kernels import use_backend
+
+ROOT = Path(__file__).resolve().parents[1]
+
+VARIANTS = [  # (residual, heads, block_size, n_layer): 2L = 6 sublayers unless said
+    ("prenorm", 1, 1, 3),
+    ("attnres", 1, 1, 3),
+    ("attnres", 4, 1, 3),
+    ("attnres", 2, 2, 3),  # 3 blocks
+    ("attnres", 4, 4, 3),  # 2L = 6 not a multiple of S = 4: the final site sees a shorter block
+    ("attnres", 2, 3, 4),  # 2L = 8, S = 3
+    ("delta", 1, 1, 3),
+    ("delta", 4, 1, 3),
+    ("delta", 2, 4, 3),
+    ("delta", 4, 2, 4),
+]
+IDS = [f"{r}-H{h}-S{s}-L{n}" for r, h, s, n in VARIANTS]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster, and immune to other processes on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(residual, heads, block_size, n_layer, seed=0, **kw) -> LM:
+    # init_std 0.2 so that attention and logits are far from uniform and a cache bug shows
+    shape = dict(d_model=32, n_head=4, n_kv_head=2, ffn_dim=48, vocab_size=97, seq_len=24, init_std=0.2) | kw
+    cfg = ModelConfig.from_name("debug", residual=residual, heads=heads, block_size=block_size, n_layer=n_layer, **shape)
+    torch.manual_seed(seed)
+    model = LM(cfg).eval()
+    randomize_routing(model, seed)
+    return model
+
+
+def decode_in_pieces(model: LM, idx: torch.Tensor, splits: list[int], tensor_pos: bool = False) -> torch.Tensor:
+    """Logits of ``idx`` [B, T] computed in consecutive chunks of the given sizes through one KV cache."""
+    B, T = idx.shape
+    cache = model.new_cache(B, max_len=T)
+    out, pos = [], 0
+    for n in splits:
+        p = torch.tensor(pos) if tensor_pos and pos > 0 else pos
+        out.append(model(idx[:, pos : pos + n], cache=cache, pos=p))
+        pos += n
+    assert pos == T
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("residual,heads,block_size,n_layer", VARIANTS, ids=IDS)
+def test_cached_decoding_equals_the_full_forward(residual, heads, block_size, n_layer):
+    model = tiny_model(residual, heads, block_size, n_layer)
+    idx = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(idx)
+        assert full.std() > 0.5, "logits too flat for the comparison to mean much"
+        for splits, tensor_pos in (([6] + [1] * 7, False), ([1] * 13, True), ([5, 3, 1, 4], False)):
+            # prefill + one token per step; every token alone from position 0; chunks at pos > 0 (masked, T > 1)
+            torch.testing.assert_close(decode_in_pieces(model, idx, splits, tensor_pos), full, rtol=1e-4, atol=1e-4)
+
+
+def test_full_forward_still_matches_the_float64_equations_with_the_cache_code_in_place():
+    model = tiny_model("attnres", 2, 4, 3).double()
+    idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(decode_in_pieces(model, idx, [4, 1, 1, 1, 1, 1]), naive_forward(model, idx), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("residual,block_size", [("attnres", 2), ("delta", 4)])
+def test_cached_decoding_on_the_fused_kernel_path_with_two_phase_blocks(residual, block_size, monkeypatch):
+    """The Triton kernels (CPU interpreter): prefill and decode steps both take the two-phase block path."""
+    import lit_mhar.routing as routing
+
+    passes = []
+    original = routing.route_sites
+    monkeypatch.setattr(routing, "route_sites", lambda sources, *a, **k: passes.append(sources[0].shape) or original(sources, *a, **k))
+    model = tiny_model(residual, 2, block_size, 2, d_model=16, n_head=2, n_kv_head=1, ffn_dim=16)
+    idx = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(idx)  # reference path
+        assert not passes
+        with use_backend("triton"):
+            cached = decode_in_pieces(model, idx, [3, 1, 1], tensor_pos=True)
+    torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
+    blocks = -(-(2 * 2 + 1) // block_size)  # the sites (4 sublayers + final) span this many blocks
+    assert [s[1] for s in passes] == [3] * blocks + [1] * blocks + [1] * blocks, "phase one once per block, every step"
+
+
+def test_one_prompt_row_prefills_every_sample_row():
+    model = tiny_model("attnres", 4, 2, 3)
+    prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(4))
+    nxt = torch.tensor([[5], [9], [11]])
+    with torch.no_grad():
+        cache = model.new_cache(3, max_len=8)
+        model(prompt, cache=cache, pos=0)
+        step = model(nxt, cache=cache, pos=7)
+        full = model(torch.cat([prompt.expand(3, -1), nxt], dim=1))[:, -1:]
+    torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_positions_out_of_range_are_refused():
+    model = tiny_model("prenorm", 1, 1, 1)
+    cache = model.new_cache(1, max_len=4)
+    with pytest.raises(ValueError, match="max_len"):
+        model(torch.zeros(1, 5, dtype=torch.long), cache=cache, pos=0)
+    with pytest.raises(ValueError, match="pos=3"):
+        model(torch.zeros(1, 2, dtype=torch.long), cache=cache, pos=3)
+    with pytest.raises(ValueError, match="batch of 2"):
+        model(torch.zeros(2, 1, dtype=torch.long), cache=cache, pos=1)
+    with pytest.raises(ValueError, match="max_len=25"):
+        model.new_cache(1, max_len=25)
+    with pytest.raises(ValueError, match="needs a cache"):
+        model(torch.zeros(1, 2, dtype=torch.long), pos=1)
+
+
+def test_greedy_generation_equals_argmax_of_full_forwards_and_stops_at_the_context():
+    model = tiny_model("delta", 4, 2, 3)
+    prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(5))
+    ids, reasons, _ = generate_ids(model, prompt, max_new_tokens=50, temperature=0)
+    assert ids.shape == (1, 24 - 20 + 1) and reasons == ["context"]  # the last token is never fed back
+    seq = prompt.tolist()
+    with torch.no_grad():
+        for _ in range(ids.shape[1]):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert ids[0].tolist() == seq[20:]
+
+
+def test_generation_stops_each_sample_at_eos():
+    model = tiny_model("attnres", 2, 1, 2)
+    prompt = torch.tensor([3, 4, 5])
+    greedy, _, _ = generate_ids(model, prompt, max_new_tokens=6, temperature=0)
+    eos = int(greedy[0, 2])
+    ids, reasons, _ = generate_ids(model, prompt, max_new_tokens=6, temperature=0, num_samples=2, eos_id=eos)
+    assert reasons == ["eos", "eos"] and ids.shape == (2, 3) and (ids == greedy[:, :3]).all()
+
+
+def test_sampling_greedy_top_k_top_p_and_seed():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g)
+    assert torch.equal(sample_next(logits, temperature=0), logits.argmax(-1))
+    assert torch.equal(sample_next(logits, temperature=5.0, top_k=1, generator=g), logits.argmax(-1))
+    assert torch.equal(sample_next(logits, temperature=5.0, top_p=1e-6, generator=g), logits.argmax(-1))
+    many = torch.stack([sample_next(logits, 3.0, top_k=5, generator=g) for _ in range(200)])
+    top5 = logits.topk(5, dim=-1).indices
+    assert all(set(many[:, r].tolist()) <= set(top5[r].tolist()) for r in range(4))
+    assert len(set(many[:, 0].tolist())) > 1, "high temperature should spread the draws"
+    # nucleus: the kept set is the smallest prefix of the sorted distribution reaching p
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    draws = {int(sample_next(probs.log(), 1.0, top_p=0.8, generator=g)) for _ in range(300)}
+    assert draws == {0, 1}
+    a = sample_next(logits, 1.0, generator=torch.Generator().manual_seed(7))
+    b = sample_next(logits, 1.0, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(temperature=-0.5), r"temperature=-0.5 .*>= 0"),
+        (dict(temperature=float("nan")), "temperature=nan"),
+        (dict(top_k=0), r"top_k=0 .*>= 1"),
+        (dict(top_p=0.0), r"top_p=0.0 .*0 < top_p <= 1"),
+        (dict(top_p=1.5), "top_p=1.5"),
+    ],
+    ids=["negative-temperature", "nan-temperature", "top-k-zero", "top-p-zero", "top-p-above-one"],
+)
+def test_bad_sampling_settings_are_refused_naming_the_value(kw, match):
+    with pytest.raises(ValueError, match=match):
+        sample_next(torch.zeros(1, 3), **kw)
+
+
+def test_text_streams_print_multibyte_characters_whole(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    # byte-level BPE without merges: one token per byte, so every non-ASCII character is 2+ tokens
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    eos = tok.token_to_id("<|endoftext|>")
+    prompt, text = "naïve ", "über → 数学 ✓"
+    new = tok.encode(text).ids
+    assert len(new) > len(text), "some characters must span several tokens"
+    out = io.StringIO()
+    streams = TextStreams(tok, tok.encode(prompt).ids, 2, eos_id=eos, echo=out)
+    writes = []
+    for t in new + [eos, 5]:
+        before = out.getvalue()
+        streams.step([t, eos])
+        writes.append(out.getvalue()[len(before) :])
+    assert out.getvalue() == text and "\ufffd" not in "".join(writes)
+    assert streams.texts() == [text, ""]
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A Block MHAR model trained for 2 steps through `lit-mhar fit` on a tiny stdlib dataset."""
+    tmp = tmp_path_factory.mktemp("gen")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [str(stdlib / "json" / n) for n in ("__init__.py", "decoder.py", "encoder.py")] + [str(stdlib / n) for n in ("textwrap.py", "shlex.py")]
+    data = tmp / "data"
+    assert main(["prepare", "--output_dir", str(data), "--source", "files", "--vocab_size", "300", "--val_fraction", "0.3",
+                 "--chunk_bytes", "64KB", "--files", json.dumps(files)]) == 0
+    main([
+        "fit", "--config", str(ROOT / "configs" / "debug.yaml"),
+        "--data.data_dir", str(data), "--data.seq_len", "32", "--data.batch_size", "2",
+        "--model.config.d_model", "32", "--model.config.n_layer", "2", "--model.config.ffn_dim", "64",
+        "--model.config.residual", "attnres", "--model.config.heads", "2", "--model.config.block_size", "3",
+        "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+        "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--trainer.default_root_dir", str(tmp / "runs"),
+    ])
+    (ckpt,) = (tmp / "runs").rglob("last.ckpt")
+    return {"ckpt": ckpt, "data": data, "tmp": tmp}
+
+
+def test_cli_generate_streams_what_the_function_returns(trained, capsys):
+    args = ["--ckpt", str(trained["ckpt"]), "--prompt", "def dumps(obj", "--max_new_tokens", "12", "--seed", "3", "--top_k", "40", "--stop_at_eos", "false"]
+    assert main(["generate", *args]) == 0
+    printed = capsys.readouterr()
+    result = generate(str(trained["ckpt"]), "def dumps(obj", max_new_tokens=12, seed=3, top_k=40, stop_at_eos=False, stream=False)
+    assert printed.out == "def dumps(obj" + result.texts[0] + "\n"
+    assert "[lit-mhar generate] attnres H=2 S=3" in printed.err and "seed 3" in printed.err
+    assert len(result.token_ids[0]) == 12 and result.stop_reasons == ["max_new_tokens"]
+    # the tokenizer was found through the checkpoint's data_dir; the text is its decoding of the ids
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(trained["data"] / "tokenizer.json"))
+    assert result.prompt_ids == tok.encode("def dumps(obj").ids
+    assert tok.decode(result.prompt_ids + result.token_ids[0]) == "def dumps(obj" + result.texts[0]
+
+
+def test_samples_are_reproducible_from_the_seed_and_differ_from_each_other(trained):
+    kw = dict(max_new_tokens=10, num_samples=3, temperature=1.5, stop_at_eos=False, stream=False)
+    a = generate(str(trained["ckpt"]), "", seed=11, **kw)
+    b = generate(str(trained["ckpt"]), "", seed=11, **kw)
+    assert a.token_ids == b.token_ids and a.texts == b.texts and a.seed == 11
+    assert len({tuple(t) for t in a.token_ids}) > 1
+    assert a.prompt_ids == [json.loads((trained["data"] / "manifest.json").read_text())["eos_id"]]  # empty prompt: a new document
+
+
+def test_prompt_longer_than_the_context_is_refused_before_the_model_is_built(trained, monkeypatch):
+    import lit_mhar.generate as gen
+
+    monkeypatch.setattr(gen, "LM", None)  # building the model would fail differently
+    with pytest.raises(ValueError, match=r"prompt is \d+ tokens long; valid: at most 32 tokens"):
+        generate(str(trained["ckpt"]), "import json\n" * 40, stream=False)
+
+
+def test_unknown_checkpoint_formats_are_refused(trained, tmp_path):
+    text = tmp_path / "notes.ckpt"
+    text.write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="unknown checkpoint format"):
+        generate(str(text), "x", stream=False)
+    other = tmp_path / "other.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {"lr": 1.0}}, other)
+    with pytest.raises(ValueError, match="unknown checkpoint format.*not a lit-mhar checkpoint"):
+        generate(str(other), "x", stream=False)
+    with pytest.raises(ValueError, match="is a directory"):
+        generate(str(tmp_path), "x", stream=False)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        generate(str(tmp_path / "missing.ckpt"), "x", stream=False)
+
+
+def test_missing_tokenizer_is_refused_and_one_beside_the_checkpoint_is_used(trained, tmp_path):
+    state = torch.load(trained["ckpt"], map_location="cpu", weights_only=False)
+    del state["datamodule_hyper_parameters"]
+    moved = tmp_path / "model.ckpt"
+    torch.save(state, moved)
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer .*tokenizer\.json.*--tokenizer"):
+        generate(str(moved), "x", stream=False)
+    (tmp_path / "tokenizer.json").write_bytes((trained["data"] / "tokenizer.json").read_bytes())
+    assert len(generate(str(moved), "x", max_new_tokens=3, seed=0, stop_at_eos=False, stream=False).token_ids[0]) == 3
+    with pytest.raises(FileNotFoundError, match="tokenizer='nowhere.json'"):
+        generate(str(moved), "x", tokenizer="nowhere.json", stream=False)
+
+
+def test_cli_refuses_a_negative_temperature(trained, capsys):
+    with pytest.raises(ValueError, match=r"temperature=-1.0 is invalid; valid: a finite number >= 0"):
+        main(["generate", "--ckpt", str(trained["ckpt"]), "--prompt", "x", "--temperature", "-1"])
+    assert capsys.readouterr().out == ""
