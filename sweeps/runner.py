@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import yaml
+from jsonargparse.typing import Path_fr
 
 from lit_mhar.sweeps.space import (
     Budget,
@@ -828,7 +829,7 @@ def _summary(study: Any, ctx: Context) -> str:
 def run(
     study: str,
     space: Union[dict[str, Any], list[dict[str, Any]]],
-    base_config: Optional[str] = None,
+    base_config: Optional[Path_fr] = None,
     base: Optional[dict[str, Any]] = None,
     per_scale: Optional[dict[str, dict[str, Any]]] = None,
     sampler: Sampler = Sampler(),

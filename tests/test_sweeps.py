@@ -328,3 +328,19 @@ def test_killed_sweep_resumes_without_redoing_finished_trials(tmp_path, corpus):
         time.sleep(1)
         run_1 = client.get_run(run_1.info.run_id)
     assert run_1.info.status == "KILLED"
+
+
+def test_base_config_is_read_relative_to_the_sweep_file(tmp_path, monkeypatch):
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({"model": {"config": {"name": "debug"}}}))
+    (tmp_path / "sub").mkdir()
+    sweep = {"study": "rel", "base_config": "../base.yaml", "space": {"residual": ["attnres"]}, "storage": "sqlite:////no/such/folder/s.db"}
+    (tmp_path / "sub" / "rel.yaml").write_text(yaml.safe_dump(sweep))
+    monkeypatch.chdir(tmp_path / "sub")
+    with pytest.raises(ValueError, match="folder /no/such/folder does not exist"):  # got past reading the base config
+        main(["sweep", "run", "--config", "rel.yaml"])
+    monkeypatch.chdir(tmp_path)  # cwd does not matter: the path is the sweep file's
+    with pytest.raises(ValueError, match="folder /no/such/folder does not exist"):
+        main(["sweep", "run", "--config", "sub/rel.yaml"])
+    (tmp_path / "base.yaml").write_text("- not a mapping\n")
+    with pytest.raises(ValueError, match="is not a readable fit config"):
+        main(["sweep", "run", "--config", "sub/rel.yaml"])
