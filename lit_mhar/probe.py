@@ -211,7 +211,7 @@ def _plot(result: dict[str, Any], folder: Path) -> list[str]:
     panels = [(f"head {h}", h) for h in range(H)] + ([("mean over heads", None)] if H > 1 else [])
     cols = min(4, len(panels))
     rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 1, 0.22 * len(sites) * rows + 1.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 1, 0.22 * len(sites) * rows + 1.6 * rows), squeeze=False, layout="constrained")
     for ax in axes.flat[len(panels) :]:
         ax.axis("off")
     image = None
@@ -258,8 +258,7 @@ def _plot(result: dict[str, Any], folder: Path) -> list[str]:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
         ax1.plot(depth, [none(s["head_jsd"]) for s in sites_data], "-o", ms=3, label="per token")
         ax1.plot(depth, [none(s["mean_distribution_jsd"]) for s in sites_data], "--s", ms=3, label="token-averaged distributions")
-        ax1.axhline(math.log(2), color="k", ls=":", lw=0.8, label="ln 2 (maximum)")
-        ax1.set(ylabel="mean pairwise JS divergence (nats)")
+        ax1.set(ylabel="mean pairwise JS divergence (nats, max ln 2)")
         ax2.plot(depth, [none(s["query_cosine"]) for s in sites_data], "-o", ms=3, label="pseudo-query slices")
         ax2.plot(depth, [none(s["effective_query_cosine"]) for s in sites_data], "--s", ms=3, label="query x key gain")
         ax2.set(ylabel="mean pairwise cosine similarity", ylim=(-1.02, 1.02))
@@ -332,7 +331,8 @@ def probe(
         checkpoint: A lit-mhar checkpoint (``.ckpt``) of a routed model (attnres or delta).
         data_dir: A dataset written by ``lit-mhar prepare`` (token ids must fit the model's vocabulary).
         output_dir: Folder for ``probe.json`` and the PNGs; must not exist or be empty unless ``overwrite``.
-        split: ``val`` (held out, default) or ``train``.
+        split: ``val`` (held out, default; read in order) or ``train`` (in the DataModule's
+            seeded shuffle).
         max_tokens: Token budget: the first ``max_tokens // seq_len`` whole sequences of the split
             (fewer if the split is smaller; ``probe.json`` says how many tokens were used).
         batch_size: Sequences per forward pass.

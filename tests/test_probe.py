@@ -182,3 +182,20 @@ def test_probe_finds_the_run_of_an_older_checkpoint_from_its_path(trained, tmp_p
     torch.save(state, moved)
     result = probe(str(moved), str(trained["data"]), str(tmp_path / "q"), max_tokens=SEQ, batch_size=1)
     assert result["mlflow"]["run_id"] is None and not (tmp_path / "gone.db").exists()
+
+
+def test_the_cli_lists_probe_and_convert(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "  probe " in out and "  convert " in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_probe_on_gpu_matches_the_cpu(trained, tmp_path):
+    cpu = probe(str(trained["ckpt"]), str(trained["data"]), str(tmp_path / "cpu"), max_tokens=4 * SEQ, batch_size=4, device="cpu", mlflow=False)
+    gpu = probe(str(trained["ckpt"]), str(trained["data"]), str(tmp_path / "gpu"), max_tokens=4 * SEQ, batch_size=4, device="cuda", mlflow=False)
+    assert gpu["device"].startswith("cuda") and gpu["tokens"] == cpu["tokens"]
+    for a, b in zip(cpu["sites"], gpu["sites"]):
+        np.testing.assert_allclose(b["mixing"], a["mixing"], atol=1e-4)
+        assert b["max_weight"] == pytest.approx(a["max_weight"], abs=1e-4) and b["head_jsd"] == pytest.approx(a["head_jsd"], abs=1e-4)
