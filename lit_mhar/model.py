@@ -40,8 +40,9 @@ class LayerCache(NamedTuple):
         k, v: ``[B, n_kv_head, L, head_dim]`` key / value buffers of this layer, written in place.
         positions: ``[T]`` int64 positions of the T tokens of this call, or None for a prefill from
             position 0 (keys and values go to ``[:T]`` and attention is the training's causal one).
-        mask: ``[T, L]`` bool, True where a query may attend to a cached position (``j <= positions[t]``);
-            None with ``positions`` None.
+        mask: ``[G * T, L]`` additive attention mask in the cache's dtype, G = n_head / n_kv_head
+            query heads per KV head: row ``g * T + t`` is 0 where token t may attend to cached
+            position j (``j <= positions[t]``) and -inf elsewhere; None with ``positions`` None.
     """
 
     k: Tensor
@@ -123,10 +124,8 @@ class Attention(nn.Module):
         B, _, T, hd = q.shape
         cache.k.index_copy_(2, cache.positions, k.to(cache.k.dtype))
         cache.v.index_copy_(2, cache.positions, v.to(cache.v.dtype))
-        group = self.n_head // self.n_kv_head
-        q = q.reshape(B, self.n_kv_head, group * T, hd)
-        mask = cache.mask.repeat(group, 1)  # [group * T, L], rows in (group, T) order like q
-        y = F.scaled_dot_product_attention(q.to(cache.k.dtype), cache.k, cache.v, attn_mask=mask)
+        q = q.reshape(B, self.n_kv_head, -1, hd)  # rows in (group, T) order, like cache.mask
+        y = F.scaled_dot_product_attention(q.to(cache.k.dtype), cache.k, cache.v, attn_mask=cache.mask)
         return y.view(B, self.n_head, T, hd).to(v.dtype)
 
 
@@ -307,7 +306,11 @@ class LM(nn.Module):
             cos, sin = self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T]
         if B != cache.batch_size and not (positions is None and B == 1):
             raise ValueError(f"LM.forward: batch of {B} rows, the cache has {cache.batch_size} (a prefill at pos=0 may also have 1)")
-        mask = None if positions is None else torch.arange(cache.max_len, device=idx.device) <= positions[:, None]
+        mask = None
+        if positions is not None:  # [G * T, L], additive: built once per call, shared by every layer
+            visible = torch.arange(cache.max_len, device=idx.device) <= positions[:, None]
+            mask = torch.zeros(visible.shape, dtype=cache.k[0].dtype, device=idx.device).masked_fill_(~visible, -math.inf)
+            mask = mask.repeat(self.cfg.n_head // self.cfg.n_kv_head, 1)
         return cos, sin, [LayerCache(k, v, positions, mask) for k, v in zip(cache.k, cache.v)]
 
     def routing_sites(self) -> list[RoutingSite]:
