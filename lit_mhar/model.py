@@ -56,8 +56,8 @@ class KVCache:
 
     Buffers are allocated once, ``[B, n_kv_head, max_len, head_dim]`` per layer (zeros), and written in
     place, so a decode step has static shapes (CUDA graphs can capture it). Depth routing needs no
-    cache: it is per token, over the token's own depth history, so a decode step routes only the
-    new token's sublayer outputs (AttnRes, Sec. 4: the depth history is not part of the KV cache).
+    cache: it mixes each token's own depth history (its embedding and sublayer outputs), which a
+    decode step computes for the new token anyway; only attention looks at earlier positions.
 
     Args:
         cfg: the model's config.

@@ -105,6 +105,23 @@ def test_cached_decoding_on_the_fused_kernel_path_with_two_phase_blocks(residual
     assert [s[1] for s in passes] == [3] * blocks + [1] * blocks + [1] * blocks, "phase one once per block, every step"
 
 
+def test_decode_step_compiles_to_one_graph_reused_at_every_position():
+    """A tensor ``pos`` and in-place cache writes: one fullgraph compilation serves every step
+    (what CUDA graph capture needs too), and it computes the full forward's logits."""
+    model = tiny_model("attnres", 2, 2, 2)
+    idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(6))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        full = model(idx)
+        cache = model.new_cache(2, max_len=9)
+        model(idx[:, :5], cache=cache, pos=0)
+        step = torch.compile(model, backend="aot_eager", fullgraph=True)
+        outs = [step(idx[:, 5:6], cache=cache, pos=torch.tensor(5))]
+        with torch.compiler.set_stance("fail_on_recompile"):
+            outs += [step(idx[:, t : t + 1], cache=cache, pos=torch.tensor(t)) for t in range(6, 9)]
+    torch.testing.assert_close(torch.cat(outs, 1), full[:, 5:], rtol=1e-4, atol=1e-4)
+
+
 def test_one_prompt_row_prefills_every_sample_row():
     model = tiny_model("attnres", 4, 2, 3)
     prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(4))
