@@ -20,7 +20,11 @@ variant ms / prenorm ms (the issue's target: <= 1.05 block MHAR, <= 1.15 full MH
 Correctness, checked in the same run before any speed is reported for a variant: prefill + cached
 decode logits against one full forward over the same tokens (float32, same device and kernels,
 before the cast to bf16), and graph-replayed logits against eager ones (bf16, same kernels). A
-failed check leaves the speed columns empty and says why in ``status``.
+failed check leaves the speed columns empty and says why in ``status``. (The compiled backbone's
+graph is checked against its own eager step; the float32 check runs before compilation.)
+
+Rows go to ``$OUT/generate_bench.csv`` as they are measured (every variant uncompiled first), so a
+run cut short keeps what it measured; the markdown table is printed and written at the end.
 
     python benchmarks/bench_generate.py                 # 350m on CUDA, markdown table, CSV to $OUT
     python benchmarks/bench_generate.py --smoke         # tiny model on CPU: checks the script works
@@ -268,21 +272,6 @@ def fmt(x: object, spec: str) -> str:
     return format(x, spec) if isinstance(x, (int, float)) else ("" if x is None else str(x))
 
 
-def add_ratios(rows: list[dict]) -> None:
-    base = {(r["backbone"], r["batch"]): r for r in rows if r["variant"] == "prenorm"}
-    for r in rows:
-        b = base.get((r["backbone"], r["batch"]))
-        if b is None:
-            continue
-        for value, key in (
-            ("prefill_tok_s", "prefill_speed_ratio"),
-            ("decode_eager_ms", "decode_eager_latency_ratio"),
-            ("decode_graph_ms", "decode_latency_ratio"),
-        ):
-            if isinstance(r.get(value), float) and isinstance(b.get(value), float):
-                r[key] = r[value] / b[value]
-
-
 def markdown(rows: list[dict]) -> str:
     head = ("| variant | backbone | B | prefill tok/s | ×prenorm | decode eager ms/step | ×prenorm | "
             "decode graph ms/step | tok/s | ×prenorm (latency) | check full / graph | status |")
@@ -332,45 +321,56 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"unknown variant(s) {unknown}; valid: {list(VARIANTS)}", file=sys.stderr)
         return 2
     rows: list[dict] = []
-    backbones = ["eager"] + (["compiled"] if args.compile else [])
-    for name in names:
-        common = dict(scale=args.scale + ("-smoke" if args.smoke else ""), variant=name)
-        model = None
-        try:
-            model = build(args.scale, VARIANTS[name], args.smoke, device)
-            common.update(heads=model.cfg.heads, block_size=model.cfg.block_size)
-            with torch.no_grad():
-                full_err = check_against_full_forward(model, model.cfg.vocab_size, device)
-            model.to(dtype)
-            for backbone in backbones:
-                common["backbone"] = backbone
+    csv_file = writer = None
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        csv_file = open(os.path.join(args.out, "generate_bench.csv"), "w", newline="")
+        writer = csv.DictWriter(csv_file, FIELDS, extrasaction="ignore")
+        writer.writeheader()
+
+    def record(row: dict) -> None:
+        base = next((r for r in rows if r["variant"] == "prenorm" and r.get("backbone") == row.get("backbone") and r.get("batch") == row.get("batch")), None)
+        if base is not None or row["variant"] == "prenorm":
+            for value, key in (("prefill_tok_s", "prefill_speed_ratio"), ("decode_eager_ms", "decode_eager_latency_ratio"), ("decode_graph_ms", "decode_latency_ratio")):
+                b = row if base is None else base
+                if isinstance(row.get(value), float) and isinstance(b.get(value), float):
+                    row[key] = row[value] / b[value]
+        rows.append(row)
+        print({k: fmt(v, ".4g") for k, v in row.items()}, flush=True)
+        if writer is not None:  # row by row, so a run cut short still leaves its results
+            writer.writerow({k: fmt(v, ".6g") for k, v in row.items()})
+            csv_file.flush()
+
+    # every variant without compilation first (eager and CUDA graph), then compiled
+    for backbone in ["eager"] + (["compiled"] if args.compile else []):
+        for name in names:
+            common = dict(scale=args.scale + ("-smoke" if args.smoke else ""), variant=name, backbone=backbone)
+            model = None
+            try:
+                model = build(args.scale, VARIANTS[name], args.smoke, device)
+                common.update(heads=model.cfg.heads, block_size=model.cfg.block_size)
+                with torch.no_grad():
+                    full_err = check_against_full_forward(model, model.cfg.vocab_size, device)
+                model.to(dtype)
                 if backbone == "compiled":
                     compile_sublayers(model)
                 with torch.no_grad():
-                    measured = measure(model, batches, args.prompt_len, args.decode_steps, device, args.reps, graphs, full_err)
-                for r in measured:
-                    rows.append({**common, **r})
-                    print({k: fmt(v, ".4g") for k, v in rows[-1].items()}, flush=True)
-        except torch.cuda.OutOfMemoryError:
-            rows.append({**common, "status": "OOM"})
-        except Exception as e:  # noqa: BLE001 - record and go on with the next variant
-            traceback.print_exc()
-            rows.append({**common, "status": "error", "note": repr(e)[:300]})
-        finally:
-            del model
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    add_ratios(rows)
+                    for r in measure(model, batches, args.prompt_len, args.decode_steps, device, args.reps, graphs, full_err):
+                        record({**common, **r})
+            except torch.cuda.OutOfMemoryError:
+                record({**common, "status": "OOM"})
+            except Exception as e:  # noqa: BLE001 - record and go on with the next variant
+                traceback.print_exc()
+                record({**common, "status": "error", "note": repr(e)[:300]})
+            finally:
+                del model
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     table = markdown(rows)
     print("\n" + table)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "generate_bench.csv"), "w", newline="") as fh:
-            writer = csv.DictWriter(fh, FIELDS, extrasaction="ignore")
-            writer.writeheader()
-            for r in rows:
-                writer.writerow({k: fmt(v, ".6g") for k, v in r.items()})
+        csv_file.close()
         with open(os.path.join(args.out, "generate_bench.md"), "w") as fh:
             fh.write(f"bench_generate: scale {args.scale}, {info}, prompt {args.prompt_len} tokens, {args.decode_steps} decode steps\n\n{table}\n")
         print(f"wrote {args.out}/generate_bench.csv and generate_bench.md")
