@@ -63,6 +63,7 @@ from lit_mhar.sweeps.space import (
     SearchSpace,
     SweepSpec,
     Tracking,
+    budget_overrides,
     compose_trial_config,
     deep_merge,
     get_dotted,
@@ -454,15 +455,12 @@ class SweepObjective:
         trial.set_user_attr(ATTR + "mlflow_run_id", run.info.run_id)
         return run.info.run_id
 
-    def _trial_config(self, trial: Any, config: dict[str, Any], budget: Budget, run_id: str, trial_dir: Path) -> dict[str, Any]:
+    def _trial_config(self, trial: Any, config: dict[str, Any], resolved: dict[str, Any], budget: Budget, run_id: str,
+                      trial_dir: Path) -> dict[str, Any]:
         ctx = self.ctx
         config = deep_merge(config, {})
         for key, value in {
-            "trainer.max_steps": budget.max_steps,
-            "trainer.max_epochs": None,
-            "trainer.max_time": None,
-            "trainer.val_check_interval": budget.val_every * int(get_dotted(config, "trainer.accumulate_grad_batches", 1) or 1),
-            "trainer.check_val_every_n_epoch": None,
+            **budget_overrides(budget, resolved),
             "trainer.default_root_dir": str(trial_dir / "fit"),
             "trainer.enable_progress_bar": False,
             "trainer.logger": {
@@ -531,7 +529,7 @@ class SweepObjective:
                 Param("sweep.tokens", str(budget.tokens)), Param("sweep.max_steps", str(budget.max_steps)),
                 Param("sweep.evals", str(ctx.objective.evals)),
             ])
-            trial_config = self._trial_config(trial, config, budget, run_id, trial_dir)
+            trial_config = self._trial_config(trial, config, resolved, budget, run_id, trial_dir)
             (trial_dir / "trial.yaml").write_text(yaml.safe_dump(trial_config, sort_keys=False))
             self.client.log_artifact(run_id, str(trial_dir / "trial.yaml"))
             say(ctx.study, f"trial {trial.number} {json.dumps(params)}: {model['residual']} H={model['heads']} S={model['block_size']} "

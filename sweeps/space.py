@@ -426,6 +426,26 @@ def token_budget(objective: Objective, resolved: dict[str, Any]) -> Budget:
                   tokens=val_every * objective.evals * tokens_per_step)
 
 
+def budget_overrides(budget: Budget, resolved: dict[str, Any]) -> dict[str, Any]:
+    """The fit arguments (dotted) that make a trial train exactly ``budget`` and validate ``evals`` times.
+
+    ``log_every_n_steps`` is lowered to half the validation interval when it is longer: LitLM
+    measures tokens/s and peak memory over windows of that many steps, and a validation restarts
+    the window, so a longer window would never complete and the trial would log neither.
+    """
+    trainer = resolved.get("trainer", {})
+    accumulate = int(trainer.get("accumulate_grad_batches", 1) or 1)
+    log_every = int(trainer.get("log_every_n_steps") or 50)
+    return {
+        "trainer.max_steps": budget.max_steps,
+        "trainer.max_epochs": None,
+        "trainer.max_time": None,
+        "trainer.val_check_interval": budget.val_every * accumulate,  # counted in batches, not optimizer steps
+        "trainer.check_val_every_n_epoch": None,
+        "trainer.log_every_n_steps": min(log_every, max(1, budget.val_every // 2)),
+    }
+
+
 def get_dotted(config: dict[str, Any], path: str, default: Any = None) -> Any:
     """``config["a"]["b"]`` for ``path="a.b"``, or ``default`` when a key is missing."""
     node: Any = config

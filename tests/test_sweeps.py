@@ -24,7 +24,7 @@ from mlflow import MlflowClient
 
 from lit_mhar.cli import main
 from lit_mhar.sweeps.runner import open_storage, run
-from lit_mhar.sweeps.space import Objective, SearchSpace, compose_trial_config, token_budget
+from lit_mhar.sweeps.space import Objective, SearchSpace, budget_overrides, compose_trial_config, token_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 S = optuna.trial.TrialState
@@ -136,6 +136,16 @@ def test_token_budget_gives_whole_validations_and_needs_a_fixed_device_count():
         token_budget(Objective(), {**resolved, "trainer": {"devices": "auto"}})
     with pytest.raises(ValueError, match="fewer than objective.evals=4"):
         token_budget(Objective(tokens=200, evals=4), resolved)
+
+
+def test_budget_overrides_keep_throughput_windows_inside_a_validation_interval():
+    resolved = {"data": {"batch_size": 32, "seq_len": 1024}, "trainer": {"devices": 1, "accumulate_grad_batches": 2, "log_every_n_steps": 25}}
+    budget = token_budget(Objective(tokens=4_000_000, evals=4), resolved)  # 62 steps -> 64, validate every 16
+    overrides = budget_overrides(budget, resolved)
+    assert overrides["trainer.max_steps"] == 64 and overrides["trainer.val_check_interval"] == 32  # batches: 16 steps x 2
+    assert overrides["trainer.log_every_n_steps"] == 8  # 25 would never complete between two validations
+    long = token_budget(Objective(tokens=400_000_000, evals=4), resolved)
+    assert budget_overrides(long, resolved)["trainer.log_every_n_steps"] == 25  # left alone when it fits
 
 
 def test_trial_config_is_base_then_scale_then_point():
