@@ -195,7 +195,9 @@ class LitLM(L.LightningModule):
             {"params": route, "weight_decay": 0.0, "lr": hp.lr * hp.routing_lr_multiplier},
         ]
         groups = [g for g in groups if g["params"]]
-        fused = self.device.type == "cuda"
+        # Lightning refuses to clip gradients for optimizers that unscale internally (fused AdamW
+        # advertises that), so the fused kernel is used on GPUs only when nothing is clipped.
+        fused = self.device.type == "cuda" and not (self._trainer and self.trainer.gradient_clip_val)
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.adam_eps, fused=fused)
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = min(hp.warmup_steps, total)
