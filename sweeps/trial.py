@@ -164,4 +164,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the module's canonical copy: the callback jsonargparse instantiates is
+    # lit_mhar.sweeps.trial.OptunaPruning, not this __main__'s class of the same name.
+    from lit_mhar.sweeps.trial import main as _main
+
+    sys.exit(_main())

@@ -157,6 +157,52 @@ def test_trial_config_is_base_then_scale_then_point():
     assert base["model"]["config"] == {"name": "20m"}  # not modified
 
 
+def test_pruning_callback_reports_the_kth_validation_and_stops_the_fit(tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from lit_mhar.sweeps.space import Pruner
+    from lit_mhar.sweeps.trial import OptunaPruning
+
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    study = optuna.create_study(study_name="p", storage=open_storage(url), pruner=Pruner(name="median", n_startup_trials=1).build(2))
+    done = study.ask()
+    done.report(1.0, 1)
+    done.report(0.5, 2)
+    study.tell(done, 0.5)
+    running = study.ask()
+    callback = OptunaPruning(url, "p", running._trial_id, {"name": "median", "n_startup_trials": 1}, evals=2, max_steps=8)
+    trainer = SimpleNamespace(sanity_checking=False, global_step=4, callback_metrics={"val/loss": torch.tensor(0.9)}, should_stop=False)
+    callback.on_validation_end(trainer, None)  # better than the median at validation 1: goes on
+    assert not trainer.should_stop and callback.pruned_at is None
+    trainer.global_step, trainer.callback_metrics = 8, {"val/loss": torch.tensor(0.7)}
+    callback.on_validation_end(trainer, None)  # worse than the median (0.5) at validation 2: stops
+    assert trainer.should_stop and callback.pruned_at == 2
+    frozen = study.trials[1]
+    assert frozen.intermediate_values == {1: pytest.approx(0.9), 2: pytest.approx(0.7)}
+    assert frozen.user_attrs["lit_mhar.pruned_at"] == 2
+    trainer.callback_metrics = {}
+    callback.pruned_at = None
+    with pytest.raises(RuntimeError, match="metric 'val/loss' was not logged"):
+        callback.on_validation_end(trainer, None)
+
+
+def test_journal_storage_opens_and_locks_beside_its_file(tmp_path):
+    from lit_mhar.sweeps.runner import StorageLock
+
+    storage = open_storage(f"journal:{tmp_path / 'sweeps.journal'}")
+    optuna.create_study(study_name="j", storage=storage).optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    assert len(optuna.load_study(study_name="j", storage=open_storage(f"journal:{tmp_path / 'sweeps.journal'}")).trials) == 2
+    lock = StorageLock(f"journal:{tmp_path / 'sweeps.journal'}")
+    lock.acquire()
+    assert (tmp_path / "sweeps.journal.sweep-lock").exists()
+    lock.release()
+    lock.release()  # twice is harmless
+    with pytest.raises(ValueError, match="folder .*nowhere does not exist"):
+        open_storage(f"journal:{tmp_path / 'nowhere' / 'x.journal'}")
+
+
 # ----------------------------------------------------------------------------- bad input before any trial
 
 
@@ -284,40 +330,42 @@ def test_debug_sweep_end_to_end(tmp_path, corpus, monkeypatch):
 @pytest.mark.slow
 def test_two_commands_and_two_workers_share_a_grid_each_point_exactly_once(tmp_path, corpus):
     """`sweep run --workers 2` and a second `sweep run` started at the same moment on one sqlite study."""
-    space = [{"residual": ["prenorm"]}, {"residual": ["attnres"], "heads": [1, 2, 4]}, {"residual": ["delta"], "heads": [2]}]
+    space = [{"residual": ["prenorm"]}, {"residual": ["attnres", "delta"], "heads": [2]}]  # 3 points for 3 workers
     path = write_sweep(tmp_path, corpus, "shared", space)
     procs = [cli("sweep", "run", "--config", str(path), "--workers", "2", cwd=tmp_path), cli("sweep", "run", "--config", str(path), cwd=tmp_path)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     trials = load(tmp_path, "shared").get_trials()
-    assert len(trials) == 5 and all(t.state == S.COMPLETE for t in trials), [(t.number, t.state, t.user_attrs) for t in trials]
+    assert len(trials) == 3 and all(t.state == S.COMPLETE for t in trials), [(t.number, t.state, t.user_attrs) for t in trials]
     points = [json.dumps(t.params, sort_keys=True) for t in trials]
-    assert len(set(points)) == 5
+    assert len(set(points)) == 3
     assert len({t.user_attrs["lit_mhar.pid"] for t in trials}) >= 2  # the work was shared
     created = sum("created study" in o for o in outputs)
     assert created == 1  # one creator; the other command resumed the same study and parent run
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("sweeps-test").experiment_id])
-    assert sum(r.data.tags.get("lit_mhar.sweep") == "parent" for r in runs) == 1 and len(runs) == 6
+    assert sum(r.data.tags.get("lit_mhar.sweep") == "parent" for r in runs) == 1 and len(runs) == 4
 
 
 @pytest.mark.slow
 def test_killed_sweep_resumes_without_redoing_finished_trials(tmp_path, corpus):
-    space = [{"residual": ["prenorm"]}, {"residual": ["attnres"], "heads": [1, 2]}]
-    path = write_sweep(tmp_path, corpus, "killed", space)
+    space = [{"residual": ["prenorm"]}, {"residual": ["attnres"], "heads": [2]}]
+    path = write_sweep(tmp_path, corpus, "killed", space, objective={"tokens": 16384, "evals": 2})  # 128 steps: time to kill
     proc = cli("sweep", "run", "--config", str(path), cwd=tmp_path)
+    log_1 = tmp_path / "runs" / "killed" / "trial-0001" / "trial.log"
     deadline = time.time() + 300
     while time.time() < deadline:  # kill it while trial 1 trains, after trial 0 finished
         try:
             trials = load(tmp_path, "killed").get_trials()
         except KeyError:
             trials = []
-        if len(trials) > 1 and trials[0].state == S.COMPLETE and trials[1].state == S.RUNNING:
+        if len(trials) > 1 and trials[1].state == S.RUNNING and log_1.is_file() and "Trainable params" in log_1.read_text():
             break
         assert proc.poll() is None, proc.communicate()[0]
         time.sleep(0.5)
     else:
         pytest.fail("trial 1 never started")
+    assert trials[0].state == S.COMPLETE
     first_value = trials[0].value
     os.kill(proc.pid, signal.SIGKILL)  # no cleanup at all
     proc.wait()
@@ -326,18 +374,20 @@ def test_killed_sweep_resumes_without_redoing_finished_trials(tmp_path, corpus):
     assert main(["sweep", "run", "--config", str(path)]) == 0
     trials = load(tmp_path, "killed").get_trials()
     complete = [t for t in trials if t.state == S.COMPLETE]
-    assert sorted(json.dumps(t.params, sort_keys=True) for t in complete) == sorted(json.dumps(p, sort_keys=True) for p in (
-        {"residual": "prenorm"}, {"residual": "attnres", "heads": 1}, {"residual": "attnres", "heads": 2}))
-    assert trials[0].state == S.COMPLETE and trials[0].value == first_value  # not run again
-    assert trials[1].state == S.FAIL and "lit_mhar.fail_reason" not in trials[1].user_attrs  # interrupted, then re-run:
-    assert [t.params for t in complete if t.number > 2] == [trials[1].params]
+    assert [t.params for t in complete] == [{"residual": "prenorm"}, {"residual": "attnres", "heads": 2}]
+    assert complete[0].number == 0 and complete[0].value == first_value  # not run again
+    assert trials[1].state == S.FAIL and "lit_mhar.fail_reason" not in trials[1].user_attrs  # interrupted, then re-run
+    assert len(trials) == 3 and complete[1].number == 2
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_1 = client.get_run(trials[1].user_attrs["lit_mhar.mlflow_run_id"])
+    result = tmp_path / "runs" / "killed" / "trial-0001" / "result.json"
     deadline = time.time() + 60  # the orphaned trial process stops at its next batch and closes its run as KILLED
-    while run_1.info.status != "KILLED" and time.time() < deadline:
+    while not (result.is_file() and run_1.info.status == "KILLED") and time.time() < deadline:
         time.sleep(1)
         run_1 = client.get_run(run_1.info.run_id)
     assert run_1.info.status == "KILLED"
+    orphan = json.loads(result.read_text())
+    assert orphan["status"] == "error" and "runner that started this trial died" in orphan["error"]
 
 
 def test_base_config_is_read_relative_to_the_sweep_file(tmp_path, monkeypatch):
@@ -354,3 +404,21 @@ def test_base_config_is_read_relative_to_the_sweep_file(tmp_path, monkeypatch):
     (tmp_path / "base.yaml").write_text("- not a mapping\n")
     with pytest.raises(ValueError, match="is not a readable fit config"):
         main(["sweep", "run", "--config", "sub/rel.yaml"])
+
+
+@pytest.mark.slow
+def test_random_sampler_with_median_pruner_prunes_a_trial_that_does_not_learn(tmp_path, corpus):
+    """Random sampling until n_trials, and a real pruned trial: lr 1e-7 is worse than the median at validation 1."""
+    path = write_sweep(tmp_path, corpus, "pruned", {"residual": ["attnres"], "lr": [0.003, 1e-7]},
+                       sampler={"name": "random", "n_trials": 2, "seed": 10},  # seed 10 draws 0.003, then 1e-7
+                       pruner={"name": "median", "n_startup_trials": 1})
+    assert main(["sweep", "run", "--config", str(path)]) == 0
+    trials = load(tmp_path, "pruned").get_trials()
+    assert [t.params["lr"] for t in trials] == [0.003, 1e-7]
+    assert [t.state for t in trials] == [S.COMPLETE, S.PRUNED]
+    assert trials[1].user_attrs["lit_mhar.pruned_at"] == 1 and list(trials[1].intermediate_values) == [1]
+    assert trials[1].intermediate_values[1] > trials[0].intermediate_values[1]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert client.get_run(trials[1].user_attrs["lit_mhar.mlflow_run_id"]).data.tags["optuna.trial_state"] == "PRUNED"
+    assert main(["sweep", "run", "--config", str(path)]) == 0  # n_trials is reached: nothing more runs
+    assert len(load(tmp_path, "pruned").trials) == 2
