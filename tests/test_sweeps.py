@@ -326,6 +326,12 @@ def test_debug_sweep_end_to_end(tmp_path, corpus, monkeypatch):
     with pytest.raises(ValueError, match=r"no study 'nope' .* studies there: \['e2e'\]"):
         main(["sweep", "report", "--study", "nope", "--storage", storage])
 
+    # --retry_failed runs the two failed points once more (they fail again, and are not retried in a loop).
+    assert main(["sweep", "run", "--config", str(path), "--retry_failed", "true"]) == 0
+    trials = load(tmp_path, "e2e").get_trials()
+    assert [t.state for t in trials] == [S.COMPLETE, S.FAIL, S.COMPLETE, S.FAIL, S.FAIL, S.FAIL]
+    assert [t.params for t in trials[4:]] == [trials[1].params, trials[3].params]
+
 
 @pytest.mark.slow
 def test_two_commands_and_two_workers_share_a_grid_each_point_exactly_once(tmp_path, corpus):
