@@ -2,14 +2,14 @@
 
 ``fit``, ``validate``, ``test`` and ``predict`` go through LightningCLI (``--config``,
 ``--print_config``, every argument from the classes' docstrings); the other verbs through
-jsonargparse over one function each.
+jsonargparse over one function each (``sweep``: one per subcommand).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 
@@ -44,8 +44,8 @@ def _generate() -> Callable:
     return generate
 
 
-# verb -> (loader of the function jsonargparse exposes, one-line help)
-FUNCTION_VERBS: dict[str, tuple[Callable[[], Callable], str]] = {
+# verb -> (loader of the function(s) jsonargparse exposes; a list gives subcommands, one-line help)
+FUNCTION_VERBS: dict[str, tuple[Callable[[], Union[Callable, list[Callable]]], str]] = {
     "prepare": (_prepare, "tokenise a corpus (default: the Python standard library) into litdata chunks"),
     "probe": (_probe, "measure a checkpoint's depth routing on held-out data (JSON + plots, logged to its MLflow run)"),
     "convert": (_convert, "turn a prenorm model (lit-mhar, or local HF Llama / Qwen3) into an equivalent Delta-routed one"),
