@@ -38,6 +38,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lit_mhar.outputs import staged_directory
 from lit_mhar.config import ModelConfig
 from lit_mhar.model import LM
 
@@ -449,10 +450,7 @@ def convert(
 
     from lit_mhar import __version__
 
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_directory(out) as tmp:
         report.update(
             output_config=cfg.to_dict(),
             logit_check={"max_abs_diff": diff, "tolerance": LOGIT_TOLERANCE, "tokens": verify_tokens, "sequences": 2, "dtype": "float32"},
@@ -481,12 +479,6 @@ def convert(
         (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
         if src.is_dir() and (src / "tokenizer.json").is_file():
             shutil.copyfile(src / "tokenizer.json", tmp / "tokenizer.json")
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(
         f"[lit-mhar convert] {report['format']} {src} -> {out} (delta, heads={cfg.heads}, block_size={cfg.block_size}); "
         f"max |logit difference| on random input: {diff if diff is not None else 'not checked'}"

@@ -27,7 +27,6 @@ import shutil
 import signal
 import sys
 import sysconfig
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -46,6 +45,8 @@ from filelock import FileLock  # noqa: E402
 from litdata import StreamingDataLoader, StreamingDataset  # noqa: E402
 from litdata.streaming.item_loader import TokensLoader  # noqa: E402
 from litdata.utilities.format import _convert_bytes_to_int  # noqa: E402
+
+from lit_mhar.outputs import staged_directory  # noqa: E402
 
 __all__ = ["EOS_TOKEN", "MANIFEST_NAME", "TOKENIZER_NAME", "TokenDataModule", "prepare", "read_manifest"]
 
@@ -533,21 +534,6 @@ def _optimize(
     return _split_chunks(split_dir)
 
 
-def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
-    """Renames the finished ``tmp`` to ``out``, replacing (with overwrite) what is there."""
-    old = None
-    if out.exists():
-        _check_output_dir(out, overwrite)  # it may have changed while we worked
-        if any(out.iterdir()):
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.rename(out, old)
-        else:
-            out.rmdir()
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _versions() -> dict[str, str]:
     import tokenizers
 
@@ -621,9 +607,8 @@ def prepare(
         f"documents ({scan.empty} empty skipped, {scan.undecodable} with undecodable bytes replaced)"
     )
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    # re-check before replacing: the folder may have changed while we worked
+    with staged_directory(out, before_replace=lambda: _check_output_dir(out, overwrite)) as tmp:
         tokenizer_path = tmp / TOKENIZER_NAME
         if user_tokenizer is None:
             t0 = time.perf_counter()
@@ -690,10 +675,6 @@ def prepare(
             "prepare_seconds": round(time.perf_counter() - started, 2),
         }
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")  # last: marks completeness
-        _publish(tmp, out, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     _log(f"wrote {out} in {time.perf_counter() - started:.1f}s")
     return out
 

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -36,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lit_mhar.outputs import staged_directory
 from lit_mhar.config import ModelConfig
 
 PROBE_JSON = "probe.json"
@@ -484,10 +483,7 @@ def probe(
     artifact_path = f"probe/{split}-step{int(result['global_step'] or 0)}" if mlflow_run else None
     result["mlflow"] = {"tracking_uri": uri, "run_id": mlflow_run, "found_by": how, "artifact_path": artifact_path}
 
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_directory(out) as tmp:
         result["plots"] = _plot(result, tmp)
         (tmp / PROBE_JSON).write_text(json.dumps(result, indent=1) + "\n")
         if mlflow_run is not None:
@@ -500,12 +496,6 @@ def probe(
                 warnings.warn(f"probe: could not log to MLflow run {mlflow_run} at {uri} ({e}); results are in {out}")
                 result["mlflow"].update(artifact_path=None, error=str(e))
                 (tmp / PROBE_JSON).write_text(json.dumps(result, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     _print_summary(result, out)
     return result
 
