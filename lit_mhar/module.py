@@ -47,7 +47,7 @@ class LitLM(L.LightningModule):
         routing_lr_multiplier: the routing parameters (pseudo-queries, key gains, gates) train at
             ``lr * routing_lr_multiplier`` (Delta AttnRes fine-tuning used about 100x).
         routing_log_every_n_steps: how often routing statistics are computed and logged (0: never).
-        compile: ``torch.compile`` the model.
+        compile: ``torch.compile`` the model (checkpoints load with or without it).
         init_from: A lit-mhar checkpoint (such as ``model.ckpt`` written by ``lit-mhar convert``)
             whose model weights this run starts from: a new run at step 0 with a fresh optimizer
             and schedule (mid-training), where ``fit --ckpt_path`` would resume the checkpoint's
@@ -94,13 +94,15 @@ class LitLM(L.LightningModule):
         self.model = LM(config)
         if weights is not None:
             self.model.load_state_dict(weights)
-        self._forward = torch.compile(self.model) if compile else self.model
+        if compile:
+            # in place (nn.Module.compile): state_dict keys stay those of the eager model
+            self.model.compile()
         self._window_start: Optional[float] = None
         self._window_tokens = self._window_batches = 0
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits ``[B, T, V]`` for token ids ``[B, T]``."""
-        return self._forward(idx)
+        return self.model(idx)
 
     def _loss(self, batch: Tensor) -> Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]

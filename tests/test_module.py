@@ -1,0 +1,66 @@
+"""LitLM: optimiser groups, schedule and checkpoint keys."""
+
+import lightning as L
+import pytest
+import torch
+
+from lit_mhar import ModelConfig
+from lit_mhar.module import LitLM
+
+
+def module(**kw) -> LitLM:
+    return LitLM(ModelConfig.from_name("debug", residual="delta", heads=2, vocab_size=64, seq_len=16), **kw)
+
+
+def attach(m: LitLM, **trainer_kw) -> None:
+    m.trainer = L.Trainer(max_steps=100, logger=False, enable_checkpointing=False, enable_progress_bar=False, **trainer_kw)
+
+
+def test_compiled_module_keeps_the_eager_checkpoint_keys():
+    assert list(module(compile=True).state_dict()) == list(module().state_dict())
+
+
+def test_routing_parameters_train_at_their_own_learning_rate_without_weight_decay():
+    m = module(lr=1e-3, routing_lr_multiplier=100.0)
+    attach(m)
+    opt = m.configure_optimizers()["optimizer"]
+    routing = {id(p) for p in m.model.routing_parameters()}
+    (group,) = [g for g in opt.param_groups if any(id(p) in routing for p in g["params"])]
+    assert {id(p) for p in group["params"]} == routing
+    assert group["lr"] == pytest.approx(1e-3 * 100 / m.hparams.warmup_steps)  # first warm-up step
+    assert group["weight_decay"] == 0.0
+    decayed = [g for g in opt.param_groups if g["weight_decay"] > 0]
+    assert decayed and all(p.dim() == 2 for g in decayed for p in g["params"])
+
+
+def test_schedule_warms_up_then_decays_to_min_lr_ratio():
+    m = module(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    attach(m)
+    conf = m.configure_optimizers()
+    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    lrs = []
+    for _ in range(100):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[-1] == pytest.approx(1e-4, rel=0.01)
+
+
+def test_clipped_runs_use_an_optimizer_lightning_can_clip():
+    from lightning.pytorch.plugins.precision.amp import _optimizer_handles_unscaling
+
+    # pretend the module sits on a GPU, where the fused AdamW kernel is chosen when allowed
+    clipped, unclipped = module(), module()
+    attach(clipped, gradient_clip_val=1.0)
+    attach(unclipped)
+    clipped._device = unclipped._device = torch.device("cuda")
+    assert not _optimizer_handles_unscaling(clipped.configure_optimizers()["optimizer"])
+    assert _optimizer_handles_unscaling(unclipped.configure_optimizers()["optimizer"])
+
+
+@pytest.mark.parametrize("bad", [dict(lr=0.0), dict(min_lr_ratio=1.5), dict(warmup_steps=-1), dict(routing_lr_multiplier=0.0)])
+def test_bad_hyperparameters_are_refused_by_name(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        module(**bad)
