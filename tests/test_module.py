@@ -55,7 +55,7 @@ def test_clipped_runs_use_an_optimizer_lightning_can_clip():
     clipped, unclipped = module(), module()
     attach(clipped, gradient_clip_val=1.0)
     attach(unclipped)
-    clipped._device = unclipped._device = torch.device("cuda")
+    clipped._device = unclipped._device = torch.device("cuda", 0)
     assert not _optimizer_handles_unscaling(clipped.configure_optimizers()["optimizer"])
     assert _optimizer_handles_unscaling(unclipped.configure_optimizers()["optimizer"])
 
