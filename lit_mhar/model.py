@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from lit_mhar.config import ModelConfig
 from lit_mhar.kernels import resolve_backend
@@ -161,6 +162,7 @@ class Block(nn.Module):
         super().__init__()
         self.index = index
         self.residual = cfg.residual
+        self.activation_checkpointing = False  # set by LM (see its docstring)
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
@@ -187,13 +189,25 @@ class Block(nn.Module):
         attn = (lambda x: self.attn(x, cos, sin)) if cache is None else (lambda x: self.attn(x, cos, sin, cache))
         sublayers = ((self.attn_norm, self.attn_site, attn), (self.mlp_norm, self.mlp_site, self.mlp))
         for j, (norm, site, fn) in enumerate(sublayers):
-            x = h if site is None else route(site, history, h, weights)
-            out = fn(norm(x))
+            if self.activation_checkpointing and weights is None and cache is None and torch.is_grad_enabled():
+                # route + norm + sublayer are recomputed in the backward pass; what stays saved is
+                # their input: the stream and a snapshot of the sources (kept for later sites anyway)
+                view = None if site is None else history.snapshot()
+                out = checkpoint(_routed_sublayer, norm, site, fn, h, view, use_reentrant=False)
+            else:
+                x = h if site is None else route(site, history, h, weights)
+                out = fn(norm(x))
             if h is not None:
                 h = h + out
             if history is not None:
                 history.append(out, 2 * self.index + j)
         return h
+
+
+def _routed_sublayer(norm: nn.Module, site: Optional[RoutingSite], fn, stream: Optional[Tensor], history: Optional[DepthHistory]) -> Tensor:
+    """``fn(norm(x))``, x routed from ``history`` (a :meth:`DepthHistory.snapshot`) or the stream: the checkpointed region."""
+    x = stream if site is None else history.route(site, stream)
+    return fn(norm(x))
 
 
 def route(site: RoutingSite, history: DepthHistory, stream: Optional[Tensor], weights: Optional[list[Tensor]]) -> Tensor:
@@ -210,13 +224,24 @@ class LM(nn.Module):
 
     Args:
         cfg: the validated :class:`ModelConfig`.
+        activation_checkpointing: in training (gradients enabled, no cache, no routing weights
+            asked for), run each sublayer's routing, pre-norm and attention / MLP under
+            ``torch.utils.checkpoint`` (non-reentrant) and recompute them in the backward pass.
+            Saved between forward and backward are then only each sublayer's inputs: the residual
+            stream (prenorm, delta) and the depth history's sources (the embedding, sublayer
+            outputs or block sums and partial blocks; with two-phase block routing also each
+            site's phase-one result), about one or two ``[B, T, d]`` tensors per sublayer instead of
+            every intermediate of attention, the MLP and the routing op. Costs one more forward of
+            every sublayer. Gradients are those without it (recomputation is deterministic, the
+            fused routing kernels included). A training-time setting: not part of ``cfg``.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, activation_checkpointing: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.activation_checkpointing = activation_checkpointing
         self.final_site = RoutingSite(cfg.d_model, cfg.heads, cfg.residual == "delta", cfg.norm_eps) if cfg.routed else None
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -283,9 +308,24 @@ class LM(nn.Module):
         for block, layer_cache in zip(self.blocks, layer_caches):
             h = block(h, history, cos, sin, weights) if layer_cache is None else block(h, history, cos, sin, weights, layer_cache)
         if self.final_site is not None:
-            h = route(self.final_site, history, h, weights)
+            if self.activation_checkpointing and weights is None and cache is None and torch.is_grad_enabled():
+                h = checkpoint(history.snapshot().route, self.final_site, h, use_reentrant=False)
+            else:
+                h = route(self.final_site, history, h, weights)
         logits = self.lm_head(self.norm(h))
         return (logits, weights) if return_routing else logits
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether training forwards recompute every sublayer in the backward pass (see the class docstring); settable."""
+        return self.blocks[0].activation_checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, enabled: bool) -> None:
+        if not isinstance(enabled, bool):
+            raise ValueError(f"LM.activation_checkpointing={enabled!r} must be true or false")
+        for block in self.blocks:
+            block.activation_checkpointing = enabled
 
     def new_cache(self, batch_size: int, max_len: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> KVCache:
         """An empty :class:`KVCache` on the model's device: ``max_len`` positions (default ``seq_len``),

@@ -48,6 +48,14 @@ class LitLM(L.LightningModule):
             ``lr * routing_lr_multiplier`` (Delta AttnRes fine-tuning used about 100x).
         routing_log_every_n_steps: how often routing statistics are computed and logged (0: never).
         compile: ``torch.compile`` the model (checkpoints load with or without it).
+        activation_checkpointing: Recompute every sublayer (routing, pre-norm, attention / MLP) in
+            the backward pass instead of keeping its activations (``torch.utils.checkpoint``,
+            non-reentrant; see :class:`lit_mhar.model.LM`): between forward and backward only the
+            residual stream and the depth history's sources stay in memory, for about one more
+            forward pass of compute. Gradients are unchanged. A training setting, not part of the
+            model config: checkpoints load with or without it. Use this rather than an FSDP
+            ``activation_checkpointing_policy`` on ``Block`` (a block appends to the depth history,
+            so recomputing a whole block would append twice).
         init_from: A lit-mhar checkpoint (such as ``model.ckpt`` written by ``lit-mhar convert``)
             whose model weights this run starts from: a new run at step 0 with a fresh optimizer
             and schedule (mid-training), where ``fit --ckpt_path`` would resume the checkpoint's
@@ -76,6 +84,7 @@ class LitLM(L.LightningModule):
         routing_log_every_n_steps: int = 50,
         compile: bool = False,
         init_from: Optional[str] = None,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         if lr <= 0 or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0 or routing_lr_multiplier <= 0:
@@ -91,7 +100,7 @@ class LitLM(L.LightningModule):
             source_config, weights, _ = read_checkpoint(init_from)
             config = resolve_init_config(config, source_config, init_from)
         self.config = config
-        self.model = LM(config)
+        self.model = LM(config, activation_checkpointing=activation_checkpointing)
         if weights is not None:
             self.model.load_state_dict(weights)
         if compile:

@@ -53,6 +53,7 @@ class DepthHistory:
         self.sites = list(sites) if sites is not None else None
         self.two_phase = bool(two_phase) and block_size > 1 and self.sites is not None
         self._inter: dict[int, tuple[Tensor, Tensor]] = {}  # site -> (routed completed blocks, lse)
+        self._frozen = False  # a snapshot() for one site: read-only, routes that site any number of times
 
     def sources(self) -> list[Tensor]:
         """Sources visible to the next routing site, oldest first (N = 1 + completed + started)."""
@@ -60,6 +61,8 @@ class DepthHistory:
 
     def append(self, output: Tensor, sublayer: int) -> None:
         """Record the raw output ``[..., d]`` of sublayer ``sublayer`` (0-based, in order)."""
+        if self._frozen:
+            raise RuntimeError("DepthHistory.append: this is a snapshot(), which is read-only; append to the live history")
         if sublayer != self.n_appended:
             raise ValueError(f"DepthHistory: got sublayer {sublayer}, expected {self.n_appended} (sublayers run in order)")
         self.partial = output if self.partial is None else self.partial + output
@@ -82,7 +85,7 @@ class DepthHistory:
         index = self.n_appended
         if index not in self._inter:
             self._route_completed_blocks(index)
-        prior_out, prior_lse = self._inter.pop(index)
+        prior_out, prior_lse = self._inter[index] if self._frozen else self._inter.pop(index)
         if self.partial is None and site.gate is None:
             return prior_out  # first site of a block: the completed blocks are all it sees
         return merge_route(
@@ -96,6 +99,27 @@ class DepthHistory:
             gate=site.gate,
             eps=site.eps,
         )
+
+    def snapshot(self) -> "DepthHistory":
+        """A read-only copy of the history as the site about to run sees it (activation checkpointing).
+
+        A checkpointed sublayer routes its input again in the backward pass, when the live history
+        has grown (more sublayers appended, the partial block moved on). The snapshot keeps the
+        sources of this moment (references, no copies: the embedding, the completed block sums and
+        the partial block, all of which later sites read anyway) and, with ``two_phase``, this
+        site's phase-one result, which is computed here, outside the recomputed region: its
+        ``route_sites`` pass serves every site of the block. :meth:`route` on the snapshot gives the
+        same result every time; :meth:`append` on it raises RuntimeError.
+        """
+        view = DepthHistory.__new__(DepthHistory)
+        view.__dict__.update(self.__dict__)
+        view.blocks, view._inter, view._frozen = list(self.blocks), {}, True
+        if self.two_phase:
+            index = self.n_appended
+            if index not in self._inter:
+                self._route_completed_blocks(index)
+            view._inter[index] = self._inter.pop(index)
+        return view
 
     def _route_completed_blocks(self, first: int) -> None:
         """Phase one for sites ``first`` .. end of their block: one pass over the completed blocks.
