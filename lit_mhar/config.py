@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal, Optional
 
-Residual = Literal["prenorm", "attnres", "delta"]
-RESIDUALS: tuple[str, ...] = ("prenorm", "attnres", "delta")
+Residual = Literal["prenorm", "attnres", "delta", "hyper"]
+RESIDUALS: tuple[str, ...] = ("prenorm", "attnres", "delta", "hyper")
 
 # Geometry of the named scales. 100m / 350m / 1b are the shapes of the MHAR paper (Qwen3-style);
 # `debug` trains on a CPU in seconds and `20m` is for small GPU runs.
@@ -31,11 +31,18 @@ class ModelConfig:
         residual: How sublayers are wired across depth. ``prenorm``: the additive residual
             stream. ``attnres``: each sublayer input is a softmax-weighted sum over the depth
             history (Attention Residuals; MHAR when heads > 1). ``delta``: the residual stream is
-            kept and a gated, routed sum of sublayer (or block) deltas is added to it.
+            kept and a gated, routed sum of sublayer (or block) deltas is added to it. ``hyper``:
+            Hyper-Connections (Zhu et al., arXiv 2409.19606): the residual stream is widened to
+            ``hc_rate`` copies, mixed into each sublayer's input and written back by learned width
+            and depth connections; a fresh model computes what prenorm computes.
         heads: Routing heads H (MHAR): the pseudo-query is split into H contiguous d/H channel
             slices, each with its own softmax over depth. Must divide d_model. 1 is AttnRes.
         block_size: Sublayers per block S for Block AttnRes / Delta Block. 1 routes over every
             sublayer output (full routing).
+        hc_rate: Expansion rate n of ``residual='hyper'``: copies of the residual stream (the
+            paper's default is 4; n = 1 with static connections is prenorm with learnable scalars).
+        hc_dynamic: ``residual='hyper'`` only: dynamic hyper-connections (DHC, input-dependent,
+            tanh-scaled, zero-initialised corrections to the connection weights), else static (SHC).
         vocab_size: Vocabulary size (set from the data by the CLI).
         seq_len: Longest sequence in tokens (set from the data by the CLI).
         d_model: Width d of the residual stream.
@@ -57,6 +64,8 @@ class ModelConfig:
     residual: Residual = "prenorm"
     heads: int = 1
     block_size: int = 1
+    hc_rate: int = 4
+    hc_dynamic: bool = True
     vocab_size: int = 8192
     seq_len: Optional[int] = None
     d_model: Optional[int] = None
@@ -78,7 +87,7 @@ class ModelConfig:
                 setattr(self, key, value)
         if self.residual not in RESIDUALS:
             raise ValueError(f"ModelConfig.residual={self.residual!r} is unknown; valid: {list(RESIDUALS)}")
-        for key in ("heads", "block_size", "vocab_size", "seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_dim"):
+        for key in ("heads", "block_size", "hc_rate", "vocab_size", "seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_dim"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{key}={value!r} must be an integer >= 1")
@@ -99,11 +108,20 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.qk_norm={self.qk_norm!r} must be true or false")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"ModelConfig.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
-        if self.residual == "prenorm" and (self.heads != 1 or self.block_size != 1):
+        if self.residual in ("prenorm", "hyper") and (self.heads != 1 or self.block_size != 1):
             raise ValueError(
-                f"ModelConfig.residual='prenorm' has no depth routing, so heads={self.heads} and "
+                f"ModelConfig.residual={self.residual!r} has no depth routing, so heads={self.heads} and "
                 f"block_size={self.block_size} must be left at 1; use residual='attnres' or 'delta'"
             )
+        if not isinstance(self.hc_dynamic, bool):
+            raise ValueError(f"ModelConfig.hc_dynamic={self.hc_dynamic!r} must be true or false")
+        if self.residual != "hyper":
+            for key in ("hc_rate", "hc_dynamic"):
+                if getattr(self, key) != _DEFAULTS[key]:
+                    raise ValueError(
+                        f"ModelConfig.{key}={getattr(self, key)!r} applies to residual='hyper' only; leave it at "
+                        f"{_DEFAULTS[key]!r} for residual={self.residual!r}"
+                    )
         if self.rope_base <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ValueError("ModelConfig.rope_base, norm_eps and init_std must be > 0")
 
@@ -122,7 +140,8 @@ class ModelConfig:
 
     @property
     def routed(self) -> bool:
-        return self.residual != "prenorm"
+        """Whether the model has routing sites (attnres, delta); prenorm and hyper have none."""
+        return self.residual in ("attnres", "delta")
 
     def n_sources(self, site: int) -> int:
         """Sources seen by routing site ``site`` (0..2L; 2L is the final site before the LM head).
@@ -134,3 +153,6 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(ModelConfig)}

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_mhar.config import ModelConfig
 from lit_mhar.kernels import resolve_backend
-from lit_mhar.routing import DepthHistory, RoutingSite
+from lit_mhar.routing import DepthHistory, HyperConnection, RoutingSite
 
 
 def rope_cache(seq_len: int, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
@@ -156,6 +156,12 @@ class Block(nn.Module):
         delta:    h ──► (+ gate_l * route(q_l)(v_0..v_l)) ──► norm ──► f ──► (+) ──► h
                   └───────────────────────────────────────────────────────────┘
                   the residual stream is kept; the routed deltas are added to each input only
+        hyper:    H ──► A_m^T H ──► norm ──► f ──► B^T f ──► (+) ──► H        H: n copies [.., n, d]
+                  └──────► A_r^T H (copies mixed) ────────────┘
+                  x = A_m^T H: width connections read the copies; H' = B^T f(norm(x)) + A_r^T H:
+                  depth connections write the output into every copy (HyperConnection); A_m, A_r, B
+                  learned, + s * tanh(norm(H) W) per token if dynamic; init A_m = e_{l mod n},
+                  A_r = I, B = 1: every copy is prenorm's h. The LM head reads the sum of the copies.
     """
 
     def __init__(self, cfg: ModelConfig, index: int) -> None:
@@ -173,6 +179,11 @@ class Block(nn.Module):
             self.mlp_site = RoutingSite(cfg.d_model, cfg.heads, additive, cfg.norm_eps)
         else:
             self.attn_site = self.mlp_site = None
+        if cfg.residual == "hyper":  # one hyper-connection per sublayer, initialised by sublayer index
+            self.attn_hc = HyperConnection(cfg.d_model, cfg.hc_rate, 2 * index, cfg.hc_dynamic, cfg.norm_eps)
+            self.mlp_hc = HyperConnection(cfg.d_model, cfg.hc_rate, 2 * index + 1, cfg.hc_dynamic, cfg.norm_eps)
+        else:
+            self.attn_hc = self.mlp_hc = None
 
     def forward(
         self,
@@ -184,11 +195,20 @@ class Block(nn.Module):
         cache: Optional[LayerCache] = None,
     ) -> Optional[Tensor]:
         """Run both sublayers. ``h`` is the residual stream ``[B, T, d]`` (None for attnres, which
-        has none); ``history`` collects sublayer outputs; routing weights are appended to
-        ``weights`` when it is a list; ``cache`` is this layer's KV cache (decoding)."""
+        has none; for hyper, the n copies ``[B, T, n, d]``); ``history`` collects sublayer outputs;
+        routing weights are appended to ``weights`` when it is a list; ``cache`` is this layer's
+        KV cache (decoding)."""
         attn = (lambda x: self.attn(x, cos, sin)) if cache is None else (lambda x: self.attn(x, cos, sin, cache))
         sublayers = ((self.attn_norm, self.attn_site, attn), (self.mlp_norm, self.mlp_site, self.mlp))
         for j, (norm, site, fn) in enumerate(sublayers):
+            hc = (self.attn_hc, self.mlp_hc)[j]
+            if hc is not None:  # Hyper-Connections: read the copies, write the output back into them
+                if self.activation_checkpointing and cache is None and torch.is_grad_enabled():
+                    # the whole hyper-connected sublayer is recomputed; saved is its input, the n copies
+                    h = checkpoint(_hyper_sublayer, hc, norm, fn, h, use_reentrant=False)
+                else:
+                    h = _hyper_sublayer(hc, norm, fn, h)
+                continue
             if self.activation_checkpointing and weights is None and cache is None and torch.is_grad_enabled():
                 # route + norm + sublayer are recomputed in the backward pass; what stays saved is
                 # their input: the stream and a snapshot of the sources (kept for later sites anyway)
@@ -208,6 +228,12 @@ def _routed_sublayer(norm: nn.Module, site: Optional[RoutingSite], fn, stream: O
     """``fn(norm(x))``, x routed from ``history`` (a :meth:`DepthHistory.snapshot`) or the stream: the checkpointed region."""
     x = stream if site is None else history.route(site, stream)
     return fn(norm(x))
+
+
+def _hyper_sublayer(hc: HyperConnection, norm: nn.Module, fn, H: Tensor) -> Tensor:
+    """``H' = B^T fn(norm(A_m^T H)) + A_r^T H`` ``[..., n, d]``: one sublayer inside its hyper-connection."""
+    x, carried, beta = hc.width(H)
+    return hc.depth(fn(norm(x)), carried, beta)
 
 
 def route(site: RoutingSite, history: DepthHistory, stream: Optional[Tensor], weights: Optional[list[Tensor]]) -> Tensor:
@@ -231,8 +257,9 @@ class LM(nn.Module):
             stream (prenorm, delta) and the depth history's sources (the embedding, sublayer
             outputs or block sums and partial blocks; with two-phase block routing also each
             site's phase-one result), about one or two ``[B, T, d]`` tensors per sublayer instead of
-            every intermediate of attention, the MLP and the routing op. Costs one more forward of
-            every sublayer. Gradients are those without it (recomputation is deterministic, the
+            every intermediate of attention, the MLP and the routing op. With Hyper-Connections the
+            whole hyper-connected sublayer is recomputed and its input, the n copies ``[B, T, n, d]``,
+            is what stays. Costs one more forward of every sublayer. Gradients are those without it (recomputation is deterministic, the
             fused routing kernels included). A training-time setting: not part of ``cfg``.
     """
 
@@ -251,7 +278,8 @@ class LM(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) weights; output projections scaled by 1/sqrt(2L); norms at 1; routing at its zero init."""
+        """Normal(0, init_std) weights; output projections scaled by 1/sqrt(2L); norms at 1; routing at its
+        zero init; hyper-connections at the paper's prenorm-equivalent init."""
         std = self.cfg.init_std
         for name, p in self.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -259,7 +287,7 @@ class LM(nn.Module):
             elif p.dim() == 2:
                 nn.init.normal_(p, std=std)
         for m in self.modules():
-            if isinstance(m, (nn.RMSNorm, RoutingSite)):
+            if isinstance(m, (nn.RMSNorm, RoutingSite, HyperConnection)):
                 m.reset_parameters()
 
     def forward(
@@ -305,6 +333,8 @@ class LM(nn.Module):
             two_phase = self.cfg.block_size > 1 and not return_routing and resolve_backend(x) == "triton"
             history = DepthHistory(x.to(dtype), self.cfg.block_size, self.routing_sites(), two_phase)
         h = None if self.cfg.residual == "attnres" else x
+        if self.cfg.residual == "hyper":  # the hyper hidden matrix H^0: n copies of the embedding [B, T, n, d]
+            h = x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.hc_rate, x.shape[-1])
         for block, layer_cache in zip(self.blocks, layer_caches):
             h = block(h, history, cos, sin, weights) if layer_cache is None else block(h, history, cos, sin, weights, layer_cache)
         if self.final_site is not None:
@@ -312,6 +342,8 @@ class LM(nn.Module):
                 h = checkpoint(history.snapshot().route, self.final_site, h, use_reentrant=False)
             else:
                 h = route(self.final_site, history, h, weights)
+        if self.cfg.residual == "hyper":  # Hyper-Connections merge the copies by their sum
+            h = h.sum(-2)
         logits = self.lm_head(self.norm(h))
         return (logits, weights) if return_routing else logits
 
@@ -360,8 +392,10 @@ class LM(nn.Module):
         return [s for b in self.blocks for s in (b.attn_site, b.mlp_site)] + [self.final_site]
 
     def routing_parameters(self) -> list[nn.Parameter]:
-        """Pseudo-queries, key-norm gains and output gates of every routing site."""
-        return [p for m in self.modules() if isinstance(m, RoutingSite) for p in m.parameters()]
+        """The depth-wiring parameters: pseudo-queries, key-norm gains and output gates of every routing
+        site, and every hyper-connection's weights (LitLM trains them without weight decay, which
+        would pull ``A_r = I`` and ``B = 1`` towards zero)."""
+        return [p for m in self.modules() if isinstance(m, (RoutingSite, HyperConnection)) for p in m.parameters()]
 
     def num_params(self, exclude_embedding: bool = True) -> int:
         """Parameter count; the embedding table (a lookup, no matmul FLOPs) excluded by default."""

@@ -28,7 +28,7 @@ def peak_flops(device: torch.device) -> Optional[float]:
 
 
 class LitLM(L.LightningModule):
-    """Next-token language modelling for every residual variant (prenorm, AttnRes, MHAR, Delta).
+    """Next-token language modelling for every residual variant (prenorm, AttnRes, MHAR, Delta, Hyper-Connections).
 
     Batches are int64 token ids ``[B, T + 1]``; inputs are the first T, targets the last T.
     Logs ``train/loss``, ``val/loss`` (the validation loss, nats per token), ``perf/tokens_per_s``,
@@ -41,11 +41,13 @@ class LitLM(L.LightningModule):
         lr: peak learning rate of AdamW.
         min_lr_ratio: the cosine schedule decays to ``lr * min_lr_ratio``.
         warmup_steps: linear warm-up steps from 0 to ``lr``.
-        weight_decay: AdamW weight decay on matrices (not on norms, embeddings-free vectors or routing parameters).
+        weight_decay: AdamW weight decay on matrices (not on norms, embeddings-free vectors or routing parameters,
+            which include every hyper-connection weight: decay would pull their identity init towards zero).
         betas: AdamW betas.
         adam_eps: AdamW epsilon.
-        routing_lr_multiplier: the routing parameters (pseudo-queries, key gains, gates) train at
-            ``lr * routing_lr_multiplier`` (Delta AttnRes fine-tuning used about 100x).
+        routing_lr_multiplier: the routing parameters (pseudo-queries, key gains, gates; the
+            hyper-connection weights) train at ``lr * routing_lr_multiplier`` (Delta AttnRes
+            fine-tuning used about 100x).
         routing_log_every_n_steps: how often routing statistics are computed and logged (0: never).
         compile: ``torch.compile`` the model (checkpoints load with or without it).
         activation_checkpointing: Recompute every sublayer (routing, pre-norm, attention / MLP) in

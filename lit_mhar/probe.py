@@ -376,7 +376,7 @@ def probe(
     cfg, weights, ckpt = read_checkpoint(ckpt_path)
     if not cfg.routed:
         raise ValueError(
-            f"checkpoint {str(ckpt_path)!r} is a residual='prenorm' model: it has no routing sites, so there is "
+            f"checkpoint {str(ckpt_path)!r} is a residual={cfg.residual!r} model: it has no routing sites, so there is "
             "nothing to probe. Probe an attnres / delta model (lit-mhar convert turns a prenorm one into delta)"
         )
     seq_len = cfg.seq_len if seq_len is None else seq_len

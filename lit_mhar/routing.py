@@ -6,6 +6,10 @@ Sources (Attention Residuals, Kimi, eqs. 2-6; Block AttnRes, Sec. 3):
   of S sublayers, plus the partial sum of the block in progress once it has started.
 For the Delta form (Delta AttnRes) the same sources are the residual stream's deltas: a block sum
 is exactly the stream at the block's end minus the stream at its start.
+
+:class:`HyperConnection` is the comparator that wires depth without a history: Hyper-Connections
+(Zhu et al., arXiv 2409.19606) widen the residual stream to n copies and mix them with learned
+width and depth connections.
 """
 
 from __future__ import annotations
@@ -184,6 +188,105 @@ class RoutingSite(nn.Module):
         nn.init.ones_(self.key_gain)
         if self.gate is not None:
             nn.init.zeros_(self.gate)
+
+
+class HyperConnection(nn.Module):
+    """The hyper-connection around one sublayer (Hyper-Connections, Zhu et al., arXiv 2409.19606).
+
+    The residual stream is the hyper hidden matrix ``H`` ``[..., n, d]``: n copies of width d
+    (expansion rate n). Around sublayer ``T`` (attention or MLP, with its pre-norm), with the
+    hyper-connection matrix ``HC = [[0, B], [A_m, A_r]]`` (``B`` ``1 x n``, ``A_m`` ``n x 1``,
+    ``A_r`` ``n x n``)::
+
+        x  = A_m^T H                    width connections: the sublayer's input, a mix of the copies
+        H' = B^T T(x) + A_r^T H         depth connections write the output into every copy;
+                                        A_r mixes the copies that are carried on
+
+    Static (SHC): ``A_m``, ``A_r``, ``B`` are learned constants, stored as ``static_alpha`` =
+    ``[A_m | A_r]`` ``[n, n + 1]`` and ``static_beta`` = ``B`` ``[n]``. Dynamic (DHC): each token
+    adds input-dependent corrections computed from ``Hbar = RMSNorm(H)`` (the paper's ``norm``;
+    this model normalises with RMSNorm)::
+
+        [A_m | A_r](H) = s_alpha * tanh(Hbar W_alpha) + [A_m | A_r]     W_alpha = [W_m | W_r]  [d, n + 1]
+        B(H)           = s_beta  * tanh(Hbar W_beta)^T + B              W_beta                 [d]
+
+    Initialisation (the paper's, so that the network starts as a prenorm transformer): for
+    sublayer ``l`` (counted over attention and MLP sublayers), ``A_m = e_{l mod n}``, ``A_r = I``,
+    ``B = 1``, ``W_alpha = W_beta = 0`` and ``s_alpha = s_beta = 0.01``. Every copy then starts as
+    the embedding and receives every sublayer output, so each copy *is* prenorm's stream and each
+    sublayer reads prenorm's input; the model's final merge, the sum over copies, is n times
+    prenorm's last hidden state, which the final RMSNorm maps to prenorm's up to its epsilon
+    (exactly prenorm's with ``eps / n**2``). With n = 1, a fresh model is prenorm exactly.
+
+    The connection weights and the mixing are computed with autocast off, in the stream's dtype
+    (float32 under bf16 autocast, as prenorm's stream stays), so the n-copy stream is never
+    rounded to bf16. Everything is per token: a KV-cached decode step needs nothing extra.
+
+    Args:
+        d_model: width d.
+        rate: expansion rate n >= 1.
+        sublayer: index l of the sublayer this connection wraps (0 .. 2L - 1); picks ``A_m``'s init.
+        dynamic: dynamic (DHC) rather than static (SHC) connections.
+        eps: epsilon of the RMSNorm of the dynamic form.
+    """
+
+    def __init__(self, d_model: int, rate: int, sublayer: int, dynamic: bool, eps: float) -> None:
+        super().__init__()
+        if rate < 1:
+            raise ValueError(f"HyperConnection: rate={rate} must be >= 1")
+        self.rate, self.sublayer = rate, sublayer
+        self.static_alpha = nn.Parameter(torch.empty(rate, rate + 1))
+        self.static_beta = nn.Parameter(torch.empty(rate))
+        if dynamic:
+            self.norm = nn.RMSNorm(d_model, eps=eps)
+            self.dynamic_alpha = nn.Parameter(torch.empty(d_model, rate + 1))
+            self.dynamic_beta = nn.Parameter(torch.empty(d_model))
+            self.alpha_scale = nn.Parameter(torch.empty(()))
+            self.beta_scale = nn.Parameter(torch.empty(()))
+        else:
+            self.norm = self.dynamic_alpha = self.dynamic_beta = self.alpha_scale = self.beta_scale = None
+        self.reset_parameters()
+
+    @property
+    def dynamic(self) -> bool:
+        return self.dynamic_alpha is not None
+
+    def reset_parameters(self) -> None:
+        """The paper's prenorm-equivalent init: ``A_m = e_{l mod n}``, ``A_r = I``, ``B = 1``, dynamic part 0."""
+        with torch.no_grad():
+            self.static_alpha.zero_()
+            self.static_alpha[self.sublayer % self.rate, 0] = 1.0
+            self.static_alpha[:, 1:] = torch.eye(self.rate)
+            self.static_beta.fill_(1.0)
+            if self.dynamic:
+                self.norm.reset_parameters()
+                self.dynamic_alpha.zero_()
+                self.dynamic_beta.zero_()
+                self.alpha_scale.fill_(0.01)
+                self.beta_scale.fill_(0.01)
+
+    def width(self, H: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Width connections of the hyper hidden matrix ``H`` ``[..., n, d]``.
+
+        Returns:
+            ``x`` ``[..., d]``: the sublayer's input ``A_m^T H``; ``carried`` ``[..., n, d]``: the
+            copies carried on, ``A_r^T H``; ``beta`` (``B``): ``[..., n]`` (dynamic) or ``[n]``
+            (static), for :meth:`depth`. All in ``H``'s dtype.
+        """
+        with torch.autocast(H.device.type, enabled=False):
+            if self.dynamic:
+                Hbar = self.norm(H)
+                alpha = self.static_alpha + self.alpha_scale * torch.tanh(Hbar @ self.dynamic_alpha)  # [..., n, n+1]
+                beta = self.static_beta + self.beta_scale * torch.tanh(Hbar @ self.dynamic_beta)  # [..., n]
+                mixed = alpha.transpose(-1, -2) @ H  # [..., n+1, d]
+            else:
+                beta = self.static_beta
+                mixed = torch.einsum("km,...kd->...md", self.static_alpha, H)
+        return mixed[..., 0, :], mixed[..., 1:, :], beta
+
+    def depth(self, out: Tensor, carried: Tensor, beta: Tensor) -> Tensor:
+        """Depth connections: ``H' = B^T out + A_r^T H`` ``[..., n, d]`` from the sublayer output ``out`` ``[..., d]``."""
+        return beta.unsqueeze(-1) * out.unsqueeze(-2) + carried
 
 
 def routing_stats(weights: Tensor) -> tuple[Tensor, Tensor]:

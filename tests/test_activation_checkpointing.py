@@ -32,6 +32,7 @@ VARIANTS = [  # (residual, heads H, block size S)
     ("attnres", 4, 3),  # Block MHAR, blocks that straddle layers, a shorter last block
     ("delta", 1, 1),  # full Delta
     ("delta", 2, 2),  # Delta block
+    ("hyper", 1, 1),  # Hyper-Connections (n = 4, dynamic)
 ]
 IDS = [f"{r}-H{h}-S{s}" for r, h, s in VARIANTS]
 
@@ -87,7 +88,8 @@ def test_checkpointing_gives_the_gradients_of_the_plain_backward(residual, heads
     for name in grads:
         torch.testing.assert_close(grads_ckpt[name], grads[name], rtol=1e-12, atol=1e-14, msg=name)
     routing = [n for n in grads if n.endswith((".query", ".key_gain", ".gate")) and grads[n].abs().sum() > 0]
-    assert bool(routing) == (residual != "prenorm")  # the routing parameters' gradients were compared too
+    assert bool(routing) == (residual in ("attnres", "delta"))  # the routing parameters' gradients were compared too
+    assert all(grads[n].abs().sum() > 0 for n in grads if "_hc." in n) and (residual == "hyper") == any("_hc." in n for n in grads)
 
 
 @pytest.mark.parametrize("residual,heads,block_size", [("attnres", 2, 3), ("delta", 2, 1)], ids=["block-mhar-two-phase", "delta-full"])
@@ -121,6 +123,25 @@ def test_checkpointing_keeps_only_the_streams_and_the_depth_history(residual, he
     head = 2 * B * T * cfg.vocab_size * 8 + 3 * stream  # logits, log-softmax, final norm in and out
     assert kept * stream <= live[True] <= kept * stream + head + stream, (live, kept * stream)
     assert live[True] < 0.2 * live[False], live  # without checkpointing: every intermediate of every sublayer
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_checkpointing_hyper_connections_keeps_only_the_n_copies_before_each_sublayer(dynamic):
+    shape = dict(n_layer=6, d_model=64, ffn_dim=256, n_head=4, n_kv_head=2, hc_rate=3, hc_dynamic=dynamic)
+    live = {}
+    for checkpointing in (False, True):
+        model, idx = model_and_batch("hyper", 1, 1, checkpointing, **shape)
+        with LiveBytes([*model.parameters(), *model.buffers(), idx]) as counter:
+            loss = loss_of(model, idx)
+        live[checkpointing] = counter.live()
+        loss.backward()
+    cfg = model.cfg
+    B, T = idx.shape
+    stream = B * T * cfg.d_model * 8
+    kept = 1 + cfg.hc_rate * cfg.n_sublayers  # the embedding and the n copies before each sublayer
+    head = 2 * B * T * cfg.vocab_size * 8 + 3 * stream
+    assert kept * stream <= live[True] <= kept * stream + head + cfg.hc_rate * stream, (live, kept * stream)
+    assert live[True] < 0.3 * live[False], live
 
 
 def test_no_grad_and_routing_weights_take_the_plain_path_with_the_same_result():

@@ -103,3 +103,13 @@ def test_fit_resumes_from_a_checkpoint_where_it_stopped(small_corpus, tmp_path):
     assert len(resumed) == 1, "a resumed fit is a new run with its own checkpoint folder"
     assert torch.load(resumed[0], map_location="cpu", weights_only=False)["global_step"] == 6
     assert ckpt.read_bytes() == before, "the checkpoint resumed from must not be touched"
+
+
+def test_fit_trains_hyper_connections(small_corpus, tmp_path):
+    import mlflow
+
+    main(fit_args(small_corpus, tmp_path, "--model.config.residual", "hyper", "--model.config.hc_rate", "2", "--model.config.hc_dynamic", "true"))
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("lit-mhar").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["config/hc_rate"] == "2"
+    assert "val/loss" in run.data.metrics and not any(k.startswith("routing/") for k in run.data.metrics)

@@ -30,6 +30,7 @@ VARIANTS = [  # (residual, heads, block_size, n_layer): 2L = 6 sublayers unless 
     ("delta", 4, 1, 3),
     ("delta", 2, 4, 3),
     ("delta", 4, 2, 4),
+    ("hyper", 1, 1, 3),  # Hyper-Connections, the defaults: n = 4 dynamic
 ]
 IDS = [f"{r}-H{h}-S{s}-L{n}" for r, h, s, n in VARIANTS]
 
@@ -76,6 +77,18 @@ def test_cached_decoding_equals_the_full_forward(residual, heads, block_size, n_
         for splits, tensor_pos in (([6] + [1] * 7, False), ([1] * 13, True), ([5, 3, 1, 4], False)):
             # prefill + one token per step; every token alone from position 0; chunks at pos > 0 (masked, T > 1)
             torch.testing.assert_close(decode_in_pieces(model, idx, splits, tensor_pos), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rate,dynamic", [(1, False), (3, False), (2, True)], ids=["n1-static", "n3-static", "n2-dynamic"])
+def test_hyper_connections_decode_with_the_cache_like_the_full_forward(rate, dynamic):
+    """Hyper-connections are per token: the n copies of a decoded token need nothing cached."""
+    model = tiny_model("hyper", 1, 1, 2, hc_rate=rate, hc_dynamic=dynamic)
+    idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        full = model(idx)
+        assert full.std() > 0.5
+        for splits in ([4] + [1] * 5, [2, 3, 4]):
+            torch.testing.assert_close(decode_in_pieces(model, idx, splits, tensor_pos=True), full, rtol=1e-4, atol=1e-4)
 
 
 def test_full_forward_still_matches_the_float64_equations_with_the_cache_code_in_place():

@@ -62,13 +62,23 @@ def naive_forward(model: LM, idx: torch.Tensor) -> torch.Tensor:
 
 
 def randomize_routing(model: LM, seed: int = 0) -> None:
-    """Non-zero queries, gains away from 1 and non-zero gates, so routing is not uniform."""
+    """Non-zero queries, gains away from 1 and non-zero gates, so routing is not uniform; hyper-connections
+    moved away from their init (copies mixed, output weights off 1, non-zero dynamic weights and scales)."""
     g = torch.Generator().manual_seed(seed)
     for site in [m for m in model.modules() if type(m).__name__ == "RoutingSite"]:
         site.query.data = torch.randn(site.query.shape, generator=g, dtype=site.query.dtype)
         site.key_gain.data = 1 + 0.5 * torch.randn(site.key_gain.shape, generator=g, dtype=site.query.dtype)
         if site.gate is not None:
             site.gate.data = torch.randn(site.gate.shape, generator=g, dtype=site.query.dtype)
+    for hc in [m for m in model.modules() if type(m).__name__ == "HyperConnection"]:
+        for name, p in hc.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
+            if name.endswith("_scale"):  # s_alpha, s_beta of order 1 (not 0.01), so the dynamic part matters
+                p.data = 0.5 * (1 + 0.2 * noise)
+            elif name.startswith("dynamic_"):  # W_alpha, W_beta: tanh arguments of order 1
+                p.data = 0.3 * noise
+            else:  # static [A_m | A_r], B and the norm gain: away from e_l, I, 1 and 1
+                p.data = p.data + 0.3 * noise
 
 
 def tiny(residual="prenorm", **kw) -> ModelConfig:
@@ -262,8 +272,17 @@ def test_zero_initialised_queries_route_uniformly():
         (dict(residual="hyperloop"), "residual"),
         (dict(n_kv_head=3), "n_kv_head"),
         (dict(heads=2), "heads"),
+        (dict(residual="hyper", hc_rate=0), "hc_rate"),
+        (dict(residual="hyper", hc_rate=2.0), "hc_rate"),
+        (dict(residual="hyper", hc_dynamic="yes"), "hc_dynamic"),
+        (dict(residual="hyper", heads=2), "heads"),
+        (dict(residual="hyper", block_size=2), "block_size"),
+        (dict(residual="prenorm", hc_rate=2), "hc_rate"),
+        (dict(residual="delta", hc_dynamic=False), "hc_dynamic"),
     ],
-    ids=["heads-not-dividing-d", "block-size-zero", "heads-zero", "unknown-variant", "kv-heads", "prenorm-with-heads"],
+    ids=["heads-not-dividing-d", "block-size-zero", "heads-zero", "unknown-variant", "kv-heads", "prenorm-with-heads",
+         "hc-rate-zero", "hc-rate-float", "hc-dynamic-not-bool", "hyper-with-heads", "hyper-with-blocks",
+         "hc-rate-without-hyper", "hc-dynamic-without-hyper"],
 )
 def test_bad_config_fails_at_construction_naming_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
@@ -296,3 +315,141 @@ def test_flops_per_token_counts_matmuls_and_attention():
     n = model.num_params()
     assert n == sum(p.numel() for p in model.parameters()) - cfg.vocab_size * cfg.d_model
     assert math.isclose(model.flops_per_token(16), 6 * n + 6 * cfg.n_layer * cfg.d_model * 16)
+
+
+# ----------------------------------------------------------------------------- Hyper-Connections
+
+
+def naive_hyper_forward(model: LM, idx: torch.Tensor) -> torch.Tensor:
+    """Hyper-Connections (Zhu et al., arXiv 2409.19606) written out copy by copy, token-wise scalars.
+
+    H = (H_1 .. H_n), each [B, T, d], starts as n copies of the embedding. Around sublayer T, with
+    alpha = [A_m | A_r] ([n, n+1]) and B ([n]), plus for DHC alpha += s_a tanh(norm(H_k) . W_alpha[:, c])
+    and B_k += s_b tanh(norm(H_k) . W_beta) per copy k and token:
+        x = sum_k A_m[k] H_k;   H'_j = B_j T(x) + sum_k A_r[k, j] H_k.
+    The LM head reads sum_k H_k.
+    """
+    cfg, n = model.cfg, model.cfg.hc_rate
+    T = idx.shape[1]
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    H = [model.embed(idx) for _ in range(n)]
+
+    def rmsnorm(v, weight):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * weight
+
+    for block in model.blocks:
+        for norm, hc, fn in ((block.attn_norm, block.attn_hc, lambda x: block.attn(x, cos, sin)), (block.mlp_norm, block.mlp_hc, block.mlp)):
+            a = [[hc.static_alpha[k, c] for c in range(n + 1)] for k in range(n)]  # a[k][0] = A_m[k], a[k][1 + j] = A_r[k, j]
+            b = [hc.static_beta[k] for k in range(n)]
+            if cfg.hc_dynamic:
+                for k in range(n):
+                    hbar = rmsnorm(H[k], hc.norm.weight)
+                    a[k] = [a[k][c] + hc.alpha_scale * torch.tanh((hbar * hc.dynamic_alpha[:, c]).sum(-1, keepdim=True)) for c in range(n + 1)]
+                    b[k] = b[k] + hc.beta_scale * torch.tanh((hbar * hc.dynamic_beta).sum(-1, keepdim=True))
+            x = sum(a[k][0] * H[k] for k in range(n))
+            out = fn(norm(x))
+            H = [b[j] * out + sum(a[k][1 + j] * H[k] for k in range(n)) for j in range(n)]
+    return model.lm_head(model.norm(sum(H)))
+
+
+def hyper(rate: int, dynamic: bool, **kw) -> ModelConfig:
+    return tiny("hyper", hc_rate=rate, hc_dynamic=dynamic, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_fresh_hyper_model_with_one_copy_equals_prenorm_exactly(dynamic, dtype):
+    torch.manual_seed(0)
+    model = LM(hyper(1, dynamic)).to(dtype)
+    pre = LM(tiny("prenorm")).to(dtype)
+    missing, unexpected = pre.load_state_dict(model.state_dict(), strict=False)
+    assert not missing and unexpected and all("_hc." in k for k in unexpected)
+    idx = tokens(pre.cfg)
+    torch.testing.assert_close(model(idx), pre(idx), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rate,dynamic", [(2, False), (3, True), (4, False), (4, True)], ids=lambda v: str(v))
+def test_fresh_hyper_model_is_prenorm_on_every_copy(rate, dynamic):
+    """The paper's init: every sublayer reads prenorm's input exactly, and the LM head reads n * prenorm's
+    last state, which the final RMSNorm maps to prenorm's with epsilon / n**2."""
+    torch.manual_seed(0)
+    model = LM(hyper(rate, dynamic)).double()
+    pre = LM(tiny("prenorm")).double()
+    pre.load_state_dict(model.state_dict(), strict=False)
+    inputs = {}
+
+    def record(key):
+        return lambda module, args: inputs.setdefault(key, []).append(args[0].detach().clone())
+
+    for key, m in (("hyper", model), ("prenorm", pre)):
+        for block in m.blocks:
+            block.attn_norm.register_forward_pre_hook(record(key))
+            block.mlp_norm.register_forward_pre_hook(record(key))
+    idx = tokens(pre.cfg)
+    logits, reference = model(idx), pre(idx)
+    assert len(inputs["hyper"]) == len(inputs["prenorm"]) == 2 * pre.cfg.n_layer
+    for mine, theirs in zip(inputs["hyper"], inputs["prenorm"]):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    assert not torch.allclose(logits, reference, rtol=0, atol=1e-6), "the sum of n copies is n * h, not h"
+    pre.norm.eps = pre.cfg.norm_eps / rate**2
+    torch.testing.assert_close(logits, pre(idx), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rate,dynamic", [(1, False), (1, True), (2, False), (3, True), (4, False), (4, True)], ids=lambda v: str(v))
+def test_hyper_model_matches_naive_equations(rate, dynamic):
+    model = build(hyper(rate, dynamic))
+    hc = model.blocks[1].mlp_hc
+    assert hc.static_alpha.abs().min() > 0 and (hc.static_beta - 1).abs().min() > 0
+    if dynamic:
+        assert hc.dynamic_alpha.abs().min() > 0 and hc.alpha_scale.abs() > 0.05
+    idx = tokens(model.cfg)
+    torch.testing.assert_close(model(idx), naive_hyper_forward(model, idx), rtol=1e-10, atol=1e-10)
+
+
+def test_dynamic_hyper_connections_depend_on_the_input():
+    model = build(hyper(3, True))
+    hc = model.blocks[0].mlp_hc
+    H = torch.randn(2, 5, 3, model.cfg.d_model, dtype=torch.float64)
+    x, carried, beta = hc.width(H)
+    assert x.shape == (2, 5, 32) and carried.shape == (2, 5, 3, 32) and beta.shape == (2, 5, 3)
+    assert beta.std(dim=(0, 1)).min() > 1e-3, "DHC's beta must vary over tokens"
+    static = build(hyper(3, False)).blocks[0].mlp_hc
+    assert static.width(H)[2].shape == (3,)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_gradients_reach_every_hyper_connection_parameter(dynamic):
+    model = build(hyper(3, dynamic))
+    names = [name for name, _ in model.named_parameters() if "_hc." in name]
+    assert len(names) == 2 * model.cfg.n_layer * (7 if dynamic else 2)
+    assert {id(p) for name, p in model.named_parameters() if name in names} == {id(p) for p in model.routing_parameters()}
+    idx = tokens(model.cfg)
+    torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"no gradient reached {name}"
+
+
+def test_hyper_model_has_no_routing_sites():
+    cfg = hyper(4, True)
+    model = LM(cfg)
+    assert not cfg.routed and model.routing_sites() == [] and model.final_site is None
+    logits, weights = model(tokens(cfg), return_routing=True)
+    assert weights == [] and logits.shape == (2, 11, cfg.vocab_size)
+
+
+def test_hyper_forward_compiles_to_one_graph_and_keeps_the_stream_in_float32_under_autocast():
+    torch.manual_seed(0)
+    model = LM(hyper(3, True, n_layer=1))
+    randomize_routing(model)
+    idx = tokens(model.cfg)
+    seen = []
+    width = model.blocks[-1].mlp_hc.width
+    model.blocks[-1].mlp_hc.width = lambda H: seen.append(H.dtype) or width(H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = model(idx)
+    assert seen == [torch.float32], "the n-copy stream must not be rounded to bf16"
+    del model.blocks[-1].mlp_hc.width
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(compiled(idx), eager)

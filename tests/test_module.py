@@ -64,3 +64,13 @@ def test_clipped_runs_use_an_optimizer_lightning_can_clip():
 def test_bad_hyperparameters_are_refused_by_name(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         module(**bad)
+
+
+def test_hyper_connection_weights_are_not_weight_decayed():
+    """[A_m | A_r] starts as [e_l | I]: decay would pull the copies' identity path towards zero."""
+    m = LitLM(ModelConfig.from_name("debug", residual="hyper", hc_rate=4, vocab_size=64, seq_len=16))
+    attach(m)
+    opt = m.configure_optimizers()["optimizer"]
+    hc = {id(p) for name, p in m.model.named_parameters() if "_hc." in name}
+    assert hc and hc == {id(p) for p in m.model.routing_parameters()}
+    assert all(g["weight_decay"] == 0.0 for g in opt.param_groups if hc & {id(p) for p in g["params"]})

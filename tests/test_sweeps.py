@@ -94,7 +94,7 @@ def test_union_of_grids_runs_the_baseline_once_and_each_routed_point_once():
         ([], "space is an empty list"),
         ({"trainer.max_steps": [10]}, "set from objective.tokens"),
         ({"model.config.heads": [2]}, "short name 'heads'"),
-        ({"residual": ["mhar"]}, "valid: ['prenorm', 'attnres', 'delta']"),
+        ({"residual": ["mhar"]}, "valid: ['prenorm', 'attnres', 'delta', 'hyper']"),
         ({"heads": [0, 2]}, "integer >= 1"),
         ({"scale": ["7b"]}, "valid presets"),
         ({"lr": {"low": 1e-2, "high": 1e-4, "log": True}}, "must be below high"),
