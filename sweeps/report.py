@@ -73,8 +73,8 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     Each group has ``n`` (seeds), ``val_loss`` (mean), ``val_loss_std`` (sample standard deviation,
     None for one seed), ``delta_vs_prenorm`` (mean minus the same scale's prenorm mean),
-    ``tokens_per_s`` (mean), ``throughput_vs_prenorm``, ``mfu``, ``peak_memory_gb`` and ``best``
-    (the lowest mean loss of its scale).
+    ``tokens_per_s`` (mean), ``throughput_vs_prenorm``, ``mfu``, ``peak_memory_gb``,
+    ``memory_vs_prenorm`` and ``best`` (the lowest mean loss of its scale).
     """
     extras = _extra_keys(rows)
     groups: dict[tuple, list[dict[str, Any]]] = {}
@@ -108,6 +108,9 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             r["throughput_vs_prenorm"] = (
                 r["tokens_per_s"] / base[0]["tokens_per_s"] if base and r["tokens_per_s"] and base[0]["tokens_per_s"] else None
             )
+            r["memory_vs_prenorm"] = (
+                r["peak_memory_gb"] / base[0]["peak_memory_gb"] if base and r["peak_memory_gb"] and base[0]["peak_memory_gb"] else None
+            )
     return out
 
 
@@ -123,7 +126,7 @@ def markdown_table(summary: list[dict[str, Any]]) -> str:
     """The summary as a GitHub markdown table; the best row of each scale in bold."""
     extras = [k for k in (summary[0] if summary else {}) if k.startswith("param:")]
     header = ["scale", "residual", "S", "H", *[e[6:] for e in extras], "seeds", "val loss", "± std", "Δ vs prenorm",
-              "tokens/s", "× prenorm", "MFU", "peak GiB"]
+              "tokens/s", "× prenorm", "MFU", "peak GiB", "mem × prenorm"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in summary:
         cells = [
@@ -132,6 +135,7 @@ def markdown_table(summary: list[dict[str, Any]]) -> str:
             "" if r["residual"] == "prenorm" else (f"{r['delta_vs_prenorm']:+.4f}" if r["delta_vs_prenorm"] is not None else "n/a"),
             _fmt(r["tokens_per_s"] and round(r["tokens_per_s"])), _fmt(r["throughput_vs_prenorm"], 2),
             _fmt(r["mfu"] and 100 * r["mfu"], 1) + ("%" if r["mfu"] else ""), _fmt(r["peak_memory_gb"], 2),
+            _fmt(r.get("memory_vs_prenorm"), 2),
         ]
         if r.get("best"):
             cells = [f"**{c}**" if c else c for c in cells]

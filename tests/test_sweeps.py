@@ -241,7 +241,7 @@ def test_sweep_help_lists_run_and_report(capsys):
     assert "run" in out and "report" in out
 
 
-@pytest.mark.parametrize("name", ["debug.yaml", "h_sweep.yaml"])
+@pytest.mark.parametrize("name", ["debug.yaml", "h_sweep.yaml", "compare.yaml"])
 def test_shipped_sweeps_parse(name, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["sweep", "run", "--config", str(ROOT / "sweeps" / name), "--print_config"])
@@ -253,6 +253,33 @@ def test_shipped_sweeps_parse(name, capsys):
         points = space.grid()
         assert {p["heads"] for p in points if "heads" in p} == {1, 2, 4, 8, 16}
         assert {p["scale"] for p in points} == {"20m", "100m"} and len(points) == 42
+
+
+def test_compare_sweep_runs_every_published_method_at_both_scales_with_two_seeds_on_one_budget():
+    """sweeps/compare.yaml: every point is a valid model, 20m points come first, all share data, budget and optimiser."""
+    from lit_mhar.config import ModelConfig
+    from lit_mhar.sweeps.runner import model_fields, resolve_fit_config
+    from lit_mhar.sweeps.space import get_dotted
+
+    sweep = yaml.safe_load((ROOT / "sweeps" / "compare.yaml").read_text())
+    grid = SearchSpace.parse(sweep["space"]).grid()
+    assert len(grid) == 36 and [p["scale"] for p in grid] == ["20m"] * 18 + ["100m"] * 18
+    methods: dict[tuple, set] = {}
+    for point in grid:
+        config = compose_trial_config(sweep["base"], sweep["per_scale"], point)
+        model = ModelConfig(**get_dotted(config, "model.config"))  # raises for an invalid point
+        blocks = "full" if model.block_size == 1 else ("8 blocks" if model.n_sublayers == 8 * model.block_size else model.block_size)
+        methods.setdefault((model.residual, model.heads, blocks), set()).add((model.name, point["seed"]))
+        assert config["data"] == {**sweep["base"]["data"], "seed": point["seed"]} and config["trainer"] == sweep["base"]["trainer"]
+        assert config["model"]["lr"] == {"20m": 1e-3, "100m": 5e-4}[model.name]
+    expected = {("prenorm", 1, "full"), ("hyper", 1, "full"), ("attnres", 1, "full"), ("attnres", 8, "full"), ("attnres", 16, "full"),
+                ("delta", 1, "full"), ("attnres", 1, "8 blocks"), ("attnres", 8, "8 blocks"), ("delta", 8, "8 blocks")}
+    assert set(methods) == expected
+    assert all(runs == {(s, seed) for s in ("20m", "100m") for seed in (0, 1)} for runs in methods.values())
+    hyper = next(p for p in grid if p["residual"] == "hyper" and p["scale"] == "100m")
+    resolved = resolve_fit_config(compose_trial_config(sweep["base"], sweep["per_scale"], hyper))  # the fit CLI takes it
+    assert model_fields(resolved)["residual"] == "hyper" and resolved["model"]["config"]["hc_rate"] == 4
+    assert token_budget(Objective(**sweep["objective"]), resolved).max_steps == 2000
 
 
 # ----------------------------------------------------------------------------- real sweeps
@@ -428,3 +455,19 @@ def test_random_sampler_with_median_pruner_prunes_a_trial_that_does_not_learn(tm
     assert client.get_run(trials[1].user_attrs["lit_mhar.mlflow_run_id"]).data.tags["optuna.trial_state"] == "PRUNED"
     assert main(["sweep", "run", "--config", str(path)]) == 0  # n_trials is reached: nothing more runs
     assert len(load(tmp_path, "pruned").trials) == 2
+
+
+def test_report_summary_gives_loss_spread_throughput_and_memory_against_prenorm():
+    from lit_mhar.sweeps.report import markdown_table, summarise
+
+    def row(residual, seed, loss, speed, mem, heads=1):
+        return {"trial": seed, "state": "COMPLETE", "scale": "20m", "residual": residual, "block_size": 1, "heads": heads, "seed": seed,
+                "val_loss": loss, "tokens_per_s": speed, "mfu": None, "peak_memory_gb": mem, "tokens": 100}
+
+    rows = [row("prenorm", 0, 3.0, 1000.0, 10.0), row("prenorm", 1, 3.2, 1000.0, 10.0),
+            row("hyper", 0, 2.9, 800.0, 13.0), row("hyper", 1, 2.95, 800.0, 13.0)]
+    hyper = next(r for r in summarise(rows) if r["residual"] == "hyper")
+    assert hyper["n"] == 2 and abs(hyper["val_loss"] - 2.925) < 1e-12 and abs(hyper["delta_vs_prenorm"] + 0.175) < 1e-12
+    assert abs(hyper["val_loss_std"] - 0.0353553) < 1e-6 and hyper["throughput_vs_prenorm"] == 0.8 and hyper["memory_vs_prenorm"] == 1.3
+    table = markdown_table(summarise(rows))
+    assert "mem × prenorm" in table and "| **1.30** |" in table  # hyper, the best row, in bold
