@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lit_mhar.outputs import staged_directory
+from lit_mhar.outputs import check_output_dir, staged_directory
 from lit_mhar.config import ModelConfig
 from lit_mhar.model import LM
 
@@ -46,6 +46,7 @@ CHECKPOINT_NAME = "model.ckpt"
 FIT_CONFIG_NAME = "fit.yaml"
 REPORT_NAME = "conversion.json"
 HF_INDEX_NAME = "model.safetensors.index.json"
+OUTPUT_NAMES = (CHECKPOINT_NAME, FIT_CONFIG_NAME, REPORT_NAME, "tokenizer.json")  # all convert writes
 # model_type -> the architectures (config.json "architectures") whose weights map onto lit-mhar's LM
 HF_ARCHITECTURES: dict[str, tuple[str, ...]] = {"llama": ("LlamaForCausalLM",), "qwen3": ("Qwen3ForCausalLM",)}
 # Saved by some older Llama checkpoints; a buffer recomputed from rope_theta, not a weight.
@@ -131,15 +132,13 @@ def write_checkpoint(path: Path, config: ModelConfig, weights: dict[str, Tensor]
     """Writes a step-0 Lightning checkpoint of :class:`LitLM` that ``LitLM.load_from_checkpoint``,
     ``lit-mhar validate|test --ckpt_path`` and ``--model.init_from`` read.
 
-    ``weights`` is the LM's state dict; it is stored under both of LitLM's names for the model
-    (``model.`` and ``_forward.``, one storage). Hyperparameters hold the config as a dict and the
+    ``weights`` is the LM's state dict, stored under LitLM's ``model.`` prefix. Hyperparameters hold the config as a dict and the
     CLI's instantiator, as checkpoints written by ``lit-mhar fit`` do; no optimizer state (it is
     not a run to resume).
     """
     import lightning
 
     state = {f"model.{k}": v for k, v in weights.items()}
-    state.update({f"_forward.{k}": v for k, v in weights.items()})
     checkpoint = {
         "epoch": 0,
         "global_step": 0,
@@ -326,13 +325,10 @@ def read_hf_weights(directory: Path, cfg: ModelConfig, tied: bool) -> tuple[dict
 
 
 def _check_output(output: Path, source: Path, overwrite: bool) -> None:
-    if output.exists() and not output.is_dir():
-        raise FileExistsError(f"output_dir={str(output)!r} is a file; give a folder")
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise FileExistsError(f"output_dir={str(output)!r} exists and is not empty; pass --overwrite true to replace it")
     out, src = output.resolve(), source.resolve()
     if out == src or out in src.parents or (src.is_dir() and src in out.parents):
         raise ValueError(f"output_dir={str(output)!r} overlaps the source {str(source)!r}; the source is never written to")
+    check_output_dir(output, overwrite, OUTPUT_NAMES, "convert")
 
 
 def _verify(source_lm: LM, converted: LM, tokens: int, seed: int = 0) -> float:
@@ -413,8 +409,12 @@ def convert(
         source_lm = LM(ModelConfig(**{**cfg.to_dict(), "residual": "prenorm", "heads": 1, "block_size": 1}))
         weights, names, dtypes = read_hf_weights(src, source_lm.cfg, tied)
         report.update(format=f"hf-{hf['model_type']}", source_config=hf, tied_embeddings=tied, tensor_map=names, source_dtypes=dtypes)
+        tokenizers = [src / "tokenizer.json"]
     else:
+        from lit_mhar.generate import tokenizer_candidates  # generate imports this module
+
         source_cfg, weights, checkpoint = read_checkpoint(src)
+        tokenizers = tokenizer_candidates(src, checkpoint)  # beside it, or its training data's
         if source_cfg.residual != "prenorm":
             raise ValueError(
                 f"source={source!r} is a residual={source_cfg.residual!r} model; convert takes a prenorm model "
@@ -450,7 +450,7 @@ def convert(
 
     from lit_mhar import __version__
 
-    with staged_directory(out) as tmp:
+    with staged_directory(out, before_replace=lambda: check_output_dir(out, overwrite, OUTPUT_NAMES, "convert")) as tmp:
         report.update(
             output_config=cfg.to_dict(),
             logit_check={"max_abs_diff": diff, "tolerance": LOGIT_TOLERANCE, "tokens": verify_tokens, "sequences": 2, "dtype": "float32"},
@@ -468,7 +468,9 @@ def convert(
             {"lit_mhar_conversion": meta},
         )
         linked = ("vocab_size", "seq_len")  # set from the data by the CLI's links
-        fit = {"model": {"config": {k: v for k, v in cfg.to_dict().items() if k not in linked}, "lr": lr, "routing_lr_multiplier": routing_lr_multiplier, "init_from": str((out / CHECKPOINT_NAME).resolve())}}
+        # a fixed seed and a validation interval that counts steps across epochs, so a short
+        # mid-training run is reproducible and validated (override on the command line)
+        fit = {"seed_everything": 1234, "trainer": {"val_check_interval": 100, "check_val_every_n_epoch": None, "limit_val_batches": 20}, "model": {"config": {k: v for k, v in cfg.to_dict().items() if k not in linked}, "lr": lr, "routing_lr_multiplier": routing_lr_multiplier, "init_from": str((out / CHECKPOINT_NAME).resolve())}}
         header = (
             f"# Written by lit-mhar convert from {src.resolve()}.\n"
             "# Mid-training of the converted model (new run, step 0; routing at lr * routing_lr_multiplier):\n"
@@ -476,9 +478,11 @@ def convert(
             "# DATA must be tokenised with the source model's tokenizer (lit-mhar prepare --tokenizer ...).\n"
         )
         (tmp / FIT_CONFIG_NAME).write_text(header + yaml.safe_dump(fit, sort_keys=False))
+        tokenizer = next((t for t in tokenizers if t.is_file()), None)
+        if tokenizer is not None:  # so `generate` and `prepare --tokenizer` find it beside the model
+            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        report["tokenizer"] = str(tokenizer.resolve()) if tokenizer is not None else None
         (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
-        if src.is_dir() and (src / "tokenizer.json").is_file():
-            shutil.copyfile(src / "tokenizer.json", tmp / "tokenizer.json")
     print(
         f"[lit-mhar convert] {report['format']} {src} -> {out} (delta, heads={cfg.heads}, block_size={cfg.block_size}); "
         f"max |logit difference| on random input: {diff if diff is not None else 'not checked'}"

@@ -46,7 +46,7 @@ from litdata import StreamingDataLoader, StreamingDataset  # noqa: E402
 from litdata.streaming.item_loader import TokensLoader  # noqa: E402
 from litdata.utilities.format import _convert_bytes_to_int  # noqa: E402
 
-from lit_mhar.outputs import staged_directory  # noqa: E402
+from lit_mhar.outputs import check_output_dir, staged_directory  # noqa: E402
 
 __all__ = ["EOS_TOKEN", "MANIFEST_NAME", "TOKENIZER_NAME", "TokenDataModule", "prepare", "read_manifest"]
 
@@ -462,23 +462,7 @@ def _log(message: str) -> None:
 
 def _check_output_dir(out: Path, overwrite: bool) -> None:
     """Raises unless ``out`` is absent, empty, or (with overwrite) a dataset prepare wrote."""
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise FileExistsError(f"output_dir {str(out)!r} exists and is not a directory")
-    entries = sorted(p.name for p in out.iterdir())
-    if not entries:
-        return
-    if not overwrite:
-        raise FileExistsError(
-            f"output_dir {str(out)!r} is not empty; prepare never writes into an existing dataset. "
-            "Choose another output_dir or pass overwrite=True (--overwrite true) to replace it."
-        )
-    foreign = [e for e in entries if e not in (*SPLITS, TOKENIZER_NAME, MANIFEST_NAME)]
-    if foreign:
-        raise ValueError(
-            f"overwrite: refusing to delete {str(out)!r}: it holds files prepare did not write ({foreign[:5]})"
-        )
+    check_output_dir(out, overwrite, (*SPLITS, TOKENIZER_NAME, MANIFEST_NAME), "prepare")
 
 
 def _check_arguments(
@@ -812,7 +796,7 @@ class TokenDataModule(L.LightningDataModule):
             )
         raise FileNotFoundError(
             f"No dataset at {self.data_dir}. Create it with:\n  {command}\n"
-            f"or, from your own text:\n  {command} --source files --files 'corpus/*.jsonl'"
+            f"or, from your own text:\n  {command} --source files --files '[\"corpus/*.jsonl\"]'"
         )
 
     def _dataset(self, split: str, shuffle: bool, drop_last: Optional[bool]) -> StreamingDataset:

@@ -7,7 +7,38 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Collection, Iterator, Optional
+
+
+def check_output_dir(out: Path, overwrite: bool, owned: Collection[str], command: str) -> None:
+    """Refuse an output folder the user could lose, before any work starts.
+
+    ``out`` may be absent or empty. A non-empty ``out`` is replaced only with ``overwrite`` and only
+    if every entry in it is one ``command`` writes (``owned``): a wrong ``--output_dir`` never
+    deletes the user's other files.
+
+    Raises:
+        FileExistsError: ``out`` is a file, or is not empty and ``overwrite`` is false.
+        ValueError: ``overwrite`` is true but ``out`` holds entries ``command`` did not write.
+    """
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"output_dir={str(out)!r} exists and is not a directory")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"output_dir={str(out)!r} is not empty; {command} never writes into an existing folder. "
+            "Choose another output_dir or pass --overwrite true to replace it."
+        )
+    foreign = [e for e in entries if e not in owned]
+    if foreign:
+        raise ValueError(
+            f"overwrite: refusing to delete {str(out)!r}: it holds files {command} did not write ({foreign[:5]}); "
+            "choose another output_dir"
+        )
 
 
 @contextlib.contextmanager

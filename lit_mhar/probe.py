@@ -34,10 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lit_mhar.outputs import staged_directory
+from lit_mhar.outputs import check_output_dir, staged_directory
 from lit_mhar.config import ModelConfig
 
 PROBE_JSON = "probe.json"
+OUTPUT_NAMES = (PROBE_JSON, "mixing.png", "depth.png", "heads.png")  # all probe writes
 _CKPT_IN_RUN = re.compile(r"(?P<experiment_id>[^/]+)/(?P<run_id>[0-9a-f]{32})/checkpoints/[^/]+$")
 
 
@@ -364,8 +365,7 @@ def probe(
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
     if split not in ("val", "train"):
         raise ValueError(f"split={split!r} is unknown; valid: ['val', 'train']")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
-        raise FileExistsError(f"output_dir={str(out)!r} exists and is not an empty folder; pass --overwrite true to replace it")
+    check_output_dir(out, overwrite, OUTPUT_NAMES, "probe")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -483,7 +483,7 @@ def probe(
     artifact_path = f"probe/{split}-step{int(result['global_step'] or 0)}" if mlflow_run else None
     result["mlflow"] = {"tracking_uri": uri, "run_id": mlflow_run, "found_by": how, "artifact_path": artifact_path}
 
-    with staged_directory(out) as tmp:
+    with staged_directory(out, before_replace=lambda: check_output_dir(out, overwrite, OUTPUT_NAMES, "probe")) as tmp:
         result["plots"] = _plot(result, tmp)
         (tmp / PROBE_JSON).write_text(json.dumps(result, indent=1) + "\n")
         if mlflow_run is not None:

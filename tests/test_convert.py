@@ -383,3 +383,18 @@ def test_init_from_refuses_a_config_that_does_not_describe_the_checkpoint(tmp_pa
     idx = random_ids(cfg["vocab_size"], 20)
     with torch.no_grad():
         assert (lit.model.eval()(idx).double() - reference_logits(tmp_path / "src", idx)).abs().max() <= 1e-5
+
+
+def test_a_lit_mhar_source_brings_its_training_tokenizer_and_overwrite_spares_foreign_files(tmp_path):
+    cfg = ModelConfig(d_model=32, n_layer=2, n_head=4, n_kv_head=2, ffn_dim=48, vocab_size=97, seq_len=32)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "tokenizer.json").write_text('{"the": "tokenizer"}')
+    write_checkpoint(tmp_path / "prenorm.ckpt", cfg, LM(cfg).state_dict(), {}, {"datamodule_hyper_parameters": {"data_dir": str(data)}})
+    out = convert(str(tmp_path / "prenorm.ckpt"), str(tmp_path / "out"))
+    assert (out / "tokenizer.json").read_text() == '{"the": "tokenizer"}'
+    assert json.loads((out / "conversion.json").read_text())["tokenizer"] == str((data / "tokenizer.json").resolve())
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="convert did not write"):
+        convert(str(tmp_path / "prenorm.ckpt"), str(out), overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model.ckpt").is_file()

@@ -154,12 +154,18 @@ def test_probe_refuses_a_non_empty_output_folder_and_bad_arguments(trained, tmp_
     with pytest.raises(FileExistsError, match="overwrite"):
         probe(*args, max_tokens=SEQ, mlflow=False)
     assert (out / "keep.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match=r"probe did not write \(\['keep.txt'\]\)"):
+        probe(*args, max_tokens=SEQ, mlflow=False, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"], "overwrite must never delete the user's files"
+    (out / "keep.txt").unlink()
+    probe(*args, max_tokens=SEQ, batch_size=1, mlflow=False)
     with pytest.raises(ValueError, match=r"seq_len=64 must be an integer in \[1, 32\]"):
         probe(*args, seq_len=64, overwrite=True)
     with pytest.raises(ValueError, match="max_tokens=8 is less than one sequence"):
         probe(*args, max_tokens=8, overwrite=True)
-    probe(*args, max_tokens=SEQ, batch_size=1, mlflow=False, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "probe.json").is_file()
+    first = (out / "probe.json").stat().st_mtime_ns
+    probe(*args, max_tokens=SEQ, batch_size=1, mlflow=False, overwrite=True)  # replaces its own output
+    assert (out / "probe.json").stat().st_mtime_ns != first
 
 
 def test_probe_finds_the_run_of_an_older_checkpoint_from_its_path(trained, tmp_path):
