@@ -36,6 +36,7 @@ VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L su
     "mhar-block8-H8": dict(residual="attnres", heads=8, block_size="8blocks"),
     "delta-full-H8": dict(residual="delta", heads=8, block_size=1),
     "delta-block8-H8": dict(residual="delta", heads=8, block_size="8blocks"),
+    "hyper-dhc-n4": dict(residual="hyper", hc_rate=4, hc_dynamic=True),  # its connections run eagerly, like routing
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "mfu_datasheet", "mfu_measured",
           "peak_mem_GiB", "mem_ratio_vs_prenorm", "loss", "compile_s", "matmul_TFLOPs", "status", "note"]
