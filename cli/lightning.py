@@ -105,6 +105,16 @@ class LitMharCLI(LightningCLI):
         )
 
 
+    def instantiate_trainer(self, **kwargs) -> L.Trainer:
+        # `--trainer.strategy fsdp`: lit-mhar's wrap policy (lit_mhar.module.fsdp_strategy), not Lightning's
+        # default of one unit for the whole model
+        if self._get(self.config_init, "trainer", default={}).get("strategy") == "fsdp" and "strategy" not in kwargs:
+            from lit_mhar.module import fsdp_strategy
+
+            kwargs["strategy"] = fsdp_strategy()
+        return super().instantiate_trainer(**kwargs)
+
+
 def run_lightning(args: Optional[list[str]] = None) -> LitMharCLI:
     """Run a LightningCLI subcommand (``fit``, ``validate``, ``test``, ``predict``) with ``args``."""
     return LitMharCLI(

@@ -27,6 +27,33 @@ def peak_flops(device: torch.device) -> Optional[float]:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
+def fsdp_strategy(**kwargs: Any) -> "lightning.pytorch.strategies.FSDPStrategy":
+    """Lightning's ``FSDPStrategy`` wrapping every ``Attention`` and every ``MLP`` as its own FSDP unit.
+
+    ``lit-mhar fit --trainer.strategy fsdp`` uses it. The 2L sublayer units hold the matmul weights:
+    each is all-gathered just before its sublayer runs (again when a checkpointed sublayer is
+    recomputed) and freed after. Everything else is the root unit: the embedding, the LM head, the
+    norms, every routing site's pseudo-query, key-norm gain and Delta gate (2L + 1 sites of 2d or
+    3d values; 0.19M / 0.28M parameters at 1b) and the hyper-connections. Like every parameter
+    they are sharded at rest (each rank stores and updates 1/N of the root's flat parameter and its
+    AdamW state) and gathered for the whole forward and backward, where every site reads them. Not one unit per ``Block``: two-phase
+    block routing routes all sites of a block of S sublayers when the block starts, reading the
+    pseudo-queries of later layers, whose units would still be sharded. The depth history (the
+    sources routing reads) is activation memory of each rank, not a parameter; FSDP does not touch
+    it (``activation_checkpointing`` is what shrinks it).
+
+    Args:
+        kwargs: passed to ``FSDPStrategy`` (``sharding_strategy``, ``cpu_offload``,
+            ``state_dict_type``, ...); ``auto_wrap_policy`` replaces the policy above.
+    """
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lit_mhar.model import MLP, Attention
+
+    kwargs.setdefault("auto_wrap_policy", {Attention, MLP})
+    return FSDPStrategy(**kwargs)
+
+
 class LitLM(L.LightningModule):
     """Next-token language modelling for every residual variant (prenorm, AttnRes, MHAR, Delta, Hyper-Connections).
 
@@ -105,6 +132,9 @@ class LitLM(L.LightningModule):
         self.model = LM(config, activation_checkpointing=activation_checkpointing)
         if weights is not None:
             self.model.load_state_dict(weights)
+        # FSDP (use_orig_params) turns sharded parameters into 1-D views: the weight-decay split is
+        # decided on the shapes seen here, before any strategy wraps the model
+        self._param_dims = {name: p.dim() for name, p in self.model.named_parameters()}
         if compile:
             # in place (nn.Module.compile): state_dict keys stay those of the eager model
             self.model.compile()
@@ -122,7 +152,7 @@ class LitLM(L.LightningModule):
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the mean over ranks: the global batch's loss
         every = self.hparams.routing_log_every_n_steps
         if self.config.routed and every and self.global_step % every == 0:
             self._log_routing(batch[:, :-1])
@@ -196,9 +226,10 @@ class LitLM(L.LightningModule):
         routing = {id(p) for p in self.model.routing_parameters()}
         decay, no_decay, route = [], [], []
         for name, p in self.model.named_parameters():
+            name = name.replace("_fsdp_wrapped_module.", "")
             if id(p) in routing:
                 route.append(p)
-            elif p.dim() >= 2 and name != "embed.weight":
+            elif self._param_dims[name] >= 2 and name != "embed.weight":
                 decay.append(p)
             else:
                 no_decay.append(p)
