@@ -278,7 +278,7 @@ def markdown(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
-            f"| {r['variant']} | {r['backbone']} | {r['batch']} | {fmt(r.get('prefill_tok_s'), ',.0f')} | "
+            f"| {r['variant']} | {r['backbone']} | {r.get('batch', '')} | {fmt(r.get('prefill_tok_s'), ',.0f')} | "
             f"{fmt(r.get('prefill_speed_ratio'), '.3f')} | {fmt(r.get('decode_eager_ms'), '.3f')} | "
             f"{fmt(r.get('decode_eager_latency_ratio'), '.3f')} | {fmt(r.get('decode_graph_ms'), '.3f')} | "
             f"{fmt(r.get('decode_graph_tok_s'), ',.0f')} | {fmt(r.get('decode_latency_ratio'), '.3f')} | "

@@ -127,7 +127,7 @@ class Attention(nn.Module):
         cache.v.index_copy_(2, cache.positions, v.to(cache.v.dtype))
         q = q.reshape(B, self.n_kv_head, -1, hd)  # rows in (group, T) order, like cache.mask
         y = F.scaled_dot_product_attention(q.to(cache.k.dtype), cache.k, cache.v, attn_mask=cache.mask)
-        return y.view(B, self.n_head, T, hd).to(v.dtype)
+        return y.reshape(B, self.n_head, T, hd).to(v.dtype)  # the CUDA backends may return another layout
 
 
 class MLP(nn.Module):

@@ -79,6 +79,23 @@ def test_cached_decoding_equals_the_full_forward(residual, heads, block_size, n_
             torch.testing.assert_close(decode_in_pieces(model, idx, splits, tensor_pos), full, rtol=1e-4, atol=1e-4)
 
 
+def test_cached_attention_accepts_the_output_layout_of_the_cuda_backends(monkeypatch):
+    """CUDA's SDPA backends return ``[B, H, T, hd]`` with the strides of a ``[B, T, H, hd]`` tensor;
+    the cached path must not assume a contiguous result (it used ``view``, which fails on that layout)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def strided_sdpa(*args, **kwargs):
+        y = sdpa(*args, **kwargs)
+        return y.transpose(1, 2).contiguous().transpose(1, 2)  # same values, the flash/efficient layout
+
+    model = tiny_model("attnres", 2, 3, 3)
+    idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(idx)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", strided_sdpa)
+        torch.testing.assert_close(decode_in_pieces(model, idx, [4] + [1] * 5), full, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("rate,dynamic", [(1, False), (3, False), (2, True)], ids=["n1-static", "n3-static", "n2-dynamic"])
 def test_hyper_connections_decode_with_the_cache_like_the_full_forward(rate, dynamic):
     """Hyper-connections are per token: the n copies of a decoded token need nothing cached."""
