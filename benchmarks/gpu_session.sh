@@ -9,6 +9,8 @@
 #   MODE=sweep           four sweep commands, two per GPU (resumes a study carried in .sweep-state/).
 #   MODE=ddp             benchmarks/bench_ddp.py parity, scaling and resume at 350m on both GPUs.
 #
+# At most 8 files come back from $OUT: each mode tars its folders.
+# DEADLINE (s, default 560): the ddp mode's steps share it (parity, scaling, resume).
 # SWEEP_TIMEOUT (s) stops the sweep commands; a stopped study resumes from .sweep-state/ next call.
 set -uo pipefail
 R=$PWD
@@ -46,7 +48,6 @@ finish_sweep() {
   python3 -m lit_mhar.cli sweep report --study "$STUDY" --output_dir report > "$OUT/report.log" 2>&1
   tar czf "$OUT/sweep.tgz" sweeps.db mlflow.db report runs/sweeps/$STUDY/*/trial.log runs/sweeps/$STUDY/*/trial.yaml \
     runs/sweeps/$STUDY/*/result.json 2>/dev/null
-  cp sweeps.db mlflow.db "$OUT/" 2>/dev/null
   cat report/summary.md 2>/dev/null || tail -20 "$OUT/report.log"
 }
 
@@ -64,15 +65,18 @@ case $MODE in
     wait
     finish_sweep ;;
   ddp)
+    tail_logs() { tail -n 4 "$OUT"/ddp-*.log; }
     B="$R/benchmarks/bench_ddp.py"
-    timeout 200 python3 "$B" parity --config "$R/configs/350m/block_mhar.yaml" --devices 2 --global_batch 32 --steps 50 --out "$OUT/ddp" \
+    timeout $(( ${DEADLINE:-560} - SECONDS - 320 )) python3 "$B" parity --config "$R/configs/350m/block_mhar.yaml" --devices 2 --global_batch 32 --steps 50 --out "$OUT/ddp" \
       > "$OUT/ddp-parity.log" 2>&1; echo "parity exit $? at $SECONDS s"
-    timeout 230 python3 "$B" scaling --config "$R/configs/350m/prenorm.yaml" "$R/configs/350m/block_mhar.yaml" --devices 2 --steps 60 \
+    timeout $(( ${DEADLINE:-560} - SECONDS - 150 )) python3 "$B" scaling --config "$R/configs/350m/prenorm.yaml" "$R/configs/350m/block_mhar.yaml" --devices 2 --steps 60 \
       --log_every 10 --out "$OUT/ddp" > "$OUT/ddp-scaling.log" 2>&1; echo "scaling exit $? at $SECONDS s"
-    timeout 150 python3 "$B" resume --config "$R/configs/350m/block_mhar.yaml" --devices 2 --steps 10 --out "$OUT/ddp" \
+    timeout $(( ${DEADLINE:-560} - SECONDS )) python3 "$B" resume --config "$R/configs/350m/block_mhar.yaml" --devices 2 --steps 10 --out "$OUT/ddp" \
       > "$OUT/ddp-resume.log" 2>&1; echo "resume exit $? at $SECONDS s"
-    rm -rf "$OUT"/ddp/*/runs/*/*/checkpoints "$OUT"/ddp/resume-*/runs 2>/dev/null
+    tail_logs
     find "$OUT/ddp" -name '*.ckpt' -delete; rm -f "$OUT/ddp/batches.pt"
-    cat "$OUT/ddp/ddp.md" 2>/dev/null; tail -n 5 "$OUT"/ddp-*.log ;;
+    cp "$OUT/ddp/ddp.md" "$OUT/" 2>/dev/null
+    tar czf "$OUT/ddp.tgz" -C "$OUT" ddp ddp-parity.log ddp-scaling.log ddp-resume.log && rm -rf "$OUT/ddp" "$OUT"/ddp-*.log
+    cat "$OUT/ddp.md" 2>/dev/null ;;
 esac
 echo "done at $SECONDS s"
