@@ -71,8 +71,68 @@ def usage() -> str:
     return USAGE.format(functions=functions)
 
 
+DEBUG_ENV = "LIT_MHAR_DEBUG"  # set to 1: user errors raise with their traceback instead of one line
+
+
+def _raised_by_lit_mhar(error: BaseException) -> bool:
+    """Whether ``error`` was raised by lit-mhar's own code (the innermost frame of its traceback)."""
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    origin = os.path.realpath(tb.tb_frame.f_code.co_filename)
+    # lit_mhar, lit_mhar.cli, .sweeps and .kernels live in separate source folders (package-dir mapping)
+    roots = {
+        os.path.dirname(os.path.realpath(module.__file__))
+        for name in ("lit_mhar", "lit_mhar.cli", "lit_mhar.sweeps", "lit_mhar.kernels")
+        if (module := sys.modules.get(name)) is not None and getattr(module, "__file__", None)
+    }
+    return any(origin.startswith(root + os.sep) for root in roots)
+
+
+def is_user_error(error: BaseException) -> bool:
+    """Whether ``error`` is the user's to fix (see :func:`main`), as opposed to an internal failure."""
+    if isinstance(error, (FileNotFoundError, FileExistsError)):
+        return True
+    tracking = sys.modules.get("lit_mhar.tracking")  # imported by whatever raised it, if that is the case
+    if tracking is not None and isinstance(error, getattr(tracking, "TrackingUnavailable", ())):
+        return True
+    return isinstance(error, ValueError) and _raised_by_lit_mhar(error)
+
+
+def _message(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror and error.filename is not None:
+        return f"{error.strerror}: {error.filename}"  # open('x') -> "No such file or directory: x", not "[Errno 2] ..."
+    return str(error) or type(error).__name__
+
+
 def main(args: Optional[list[str]] = None) -> int:
-    """Entry point of ``lit-mhar``; ``args`` defaults to ``sys.argv[1:]``. Returns the exit status."""
+    """Entry point of ``lit-mhar``; ``args`` defaults to ``sys.argv[1:]``. Returns the exit status.
+
+    Exit status: 0 on success; 2 for a usage or user error; what a command's function returns
+    when that is an int (``sweep run``: 1 when the study holds no completed trial).
+
+    Errors. Run as the command (``args`` is None: the ``lit-mhar`` console script, ``python -m
+    lit_mhar.cli``), an error that is the user's to fix prints one line, ``lit-mhar CMD: error:
+    MESSAGE``, to stderr and exits 2; ``LIT_MHAR_DEBUG=1`` raises it with its traceback instead.
+    The user's errors are:
+
+    * ``FileNotFoundError`` and ``FileExistsError``: a path given that does not exist or would be
+      overwritten (checkpoints, datasets, output folders; raised by lit-mhar, Lightning or litdata);
+    * ``ValueError`` raised by lit-mhar's own code, which validates every argument and config
+      value (``ModelConfig``, the data, sweep files) with a message naming the field and what is
+      valid; this includes classes that LightningCLI instantiates for fit/validate/test/predict;
+    * ``lit_mhar.tracking.TrackingUnavailable``: the MLflow server given cannot be reached.
+
+    Everything else keeps its traceback: a ``ValueError`` raised inside torch or another library
+    (a shape mismatch during training is a lit-mhar bug, not a bad argument), ``RuntimeError``
+    (CUDA errors, out of memory), ``TypeError``, ``KeyError``, ``KeyboardInterrupt``. Argument
+    parsing errors are jsonargparse's: a usage message and exit 2 (``SystemExit``), as before.
+
+    Called from Python with an argument list, every exception propagates unchanged, so callers
+    (tests, scripts) can catch the exception they expect.
+    """
     # LightningCLI still calls jsonargparse APIs that warn as deprecated; nothing a user can act on
     os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
     argv = list(sys.argv[1:] if args is None else args)
@@ -81,20 +141,32 @@ def main(args: Optional[list[str]] = None) -> int:
         print(usage())
         return 0 if argv else 2
     verb, rest = argv[0], argv[1:]
-    if verb in LIGHTNING_VERBS:
-        from lit_mhar.cli.lightning import run_lightning
+    if verb not in LIGHTNING_VERBS and verb not in FUNCTION_VERBS:
+        print(f"lit-mhar: unknown command {verb!r}; valid: {', '.join(LIGHTNING_VERBS + tuple(FUNCTION_VERBS))}\n", file=sys.stderr)
+        print(usage(), file=sys.stderr)
+        return 2
+    command = f"lit-mhar {verb}"
+    try:
+        if verb in LIGHTNING_VERBS:
+            from lit_mhar.cli.lightning import run_lightning
 
-        run_lightning(lightning_args)
-        return 0
-    if verb in FUNCTION_VERBS:
+            run_lightning(lightning_args)
+            return 0
         from jsonargparse import CLI
 
         function = FUNCTION_VERBS[verb][0]()
-        CLI(function, args=rest, prog=f"lit-mhar {verb}", as_positional=False)
-        return 0
-    print(f"lit-mhar: unknown command {verb!r}; valid: {', '.join(LIGHTNING_VERBS + tuple(FUNCTION_VERBS))}\n", file=sys.stderr)
-    print(usage(), file=sys.stderr)
-    return 2
+        if isinstance(function, list) and rest and rest[0] in {f.__name__ for f in function}:
+            command += f" {rest[0]}"  # the subcommand: lit-mhar sweep run
+        result = CLI(function, args=rest, prog=f"lit-mhar {verb}", as_positional=False)
+        return result if isinstance(result, int) and not isinstance(result, bool) else 0
+    except Exception as error:
+        if args is not None or os.environ.get(DEBUG_ENV, "") not in ("", "0") or not is_user_error(error):
+            raise
+        message = _message(error)
+        hint = f"({DEBUG_ENV}=1 shows the traceback)"
+        # a message of several lines ends with a command to copy: the hint goes below it, not onto it
+        print(f"{command}: error: {message}{chr(10) if chr(10) in message else ' '}{hint}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -65,9 +67,8 @@ def test_unknown_command_is_refused_with_the_valid_ones(capsys):
 
 
 def test_bad_model_value_fails_before_training(small_corpus, tmp_path):
-    with pytest.raises((ValueError, SystemExit)) as err:
+    with pytest.raises(ValueError, match="ModelConfig.heads=3 must divide d_model=32"):
         main(fit_args(small_corpus, tmp_path, "--model.config.residual", "attnres", "--model.config.heads", "3"))
-    assert "heads" in str(err.value) or err.type is SystemExit
     assert not (tmp_path / "runs").exists()
 
 
@@ -113,3 +114,78 @@ def test_fit_trains_hyper_connections(small_corpus, tmp_path):
     (run,) = client.search_runs([client.get_experiment_by_name("lit-mhar").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["config/hc_rate"] == "2"
     assert "val/loss" in run.data.metrics and not any(k.startswith("routing/") for k in run.data.metrics)
+
+
+# ----------------------------------------------------------------------------- errors: one line for the user's, tracebacks for ours
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "error:" in line]
+
+
+def test_user_error_prints_one_line_and_exits_2_without_a_traceback(small_corpus, tmp_path, monkeypatch, capsys):
+    """Run as the command (args from sys.argv): a ModelConfig ValueError raised while LightningCLI instantiates."""
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", *fit_args(small_corpus, tmp_path, "--model.config.residual", "attnres", "--model.config.heads", "3")])
+    assert main() == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert error_lines(err) == [
+        "lit-mhar fit: error: ModelConfig.heads=3 must divide d_model=32; valid: [1, 2, 4, 8, 16, 32] (LIT_MHAR_DEBUG=1 shows the traceback)"
+    ]
+    assert not (tmp_path / "runs").exists()
+    monkeypatch.setenv("LIT_MHAR_DEBUG", "1")  # the traceback, on request
+    with pytest.raises(ValueError, match="heads=3 must divide"):
+        main()
+
+
+def test_missing_and_existing_paths_are_user_errors(small_corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", "probe", "--checkpoint", str(tmp_path / "no.ckpt"), "--data_dir", str(small_corpus), "--output_dir", str(tmp_path / "p")])
+    assert main() == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"lit-mhar probe: error: checkpoint '{tmp_path / 'no.ckpt'}' does not exist (or is not a file) (LIT_MHAR_DEBUG=1 shows the traceback)"
+    ]
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", "prepare", "--output_dir", str(small_corpus), "--source", "files", "--files", '["x.txt"]'])
+    assert main() == 2  # FileExistsError: the dataset is there and --overwrite is not given
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and error_lines(err)[0].startswith(f"lit-mhar prepare: error: output_dir='{small_corpus}' is not empty")
+
+
+def _torch_shape_mismatch() -> None:
+    torch.nn.functional.cross_entropy(torch.zeros(2, 3), torch.zeros(3, dtype=torch.long))  # ValueError from inside torch
+
+
+def _cuda_failure() -> None:
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+@pytest.mark.parametrize(
+    "raise_, error",
+    [(_torch_shape_mismatch, ValueError), (lambda: int("x"), ValueError), (_cuda_failure, RuntimeError), (lambda: {}["k"], KeyError)],
+    ids=["value-error-from-torch", "value-error-not-from-lit-mhar", "runtime-error", "key-error"],
+)
+def test_internal_errors_keep_their_traceback(raise_, error, monkeypatch):
+    from lit_mhar import cli
+
+    def broken(steps: int = 1) -> None:
+        """A command that fails inside, not because of its arguments."""
+        raise_()
+
+    monkeypatch.setitem(cli.FUNCTION_VERBS, "probe", (lambda: broken, "fails"))
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", "probe"])
+    with pytest.raises(error):
+        main()
+
+
+def test_called_from_python_errors_propagate(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no.ckpt"):
+        main(["probe", "--checkpoint", str(tmp_path / "no.ckpt"), "--data_dir", str(tmp_path), "--output_dir", str(tmp_path / "p")])
+
+
+def test_the_console_script_prints_no_traceback(tmp_path):
+    """The real entry point, in a subprocess: exit status 2 and one line on stderr."""
+    proc = subprocess.run([sys.executable, "-m", "lit_mhar.cli", "probe", "--checkpoint", "no.ckpt", "--data_dir", "no", "--output_dir", "p"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "lit-mhar probe: error: checkpoint 'no.ckpt' does not exist (or is not a file) (LIT_MHAR_DEBUG=1 shows the traceback)"
+    ]
