@@ -464,7 +464,7 @@ class SweepObjective:
             "trainer.default_root_dir": str(trial_dir / "fit"),
             "trainer.enable_progress_bar": False,
             "trainer.logger": {
-                "class_path": "lightning.pytorch.loggers.MLFlowLogger",
+                "class_path": "lit_mhar.tracking.MLFlowLogger",
                 "init_args": {"tracking_uri": ctx.tracking_uri, "run_id": run_id, "log_model": False},
             },
         }.items():
@@ -824,6 +824,32 @@ def _summary(study: Any, ctx: Context) -> str:
     return text or "no trials"
 
 
+def _exit_status(study: Any, ctx: Context) -> int:
+    """0 when ``study`` holds a COMPLETE trial (it has a result), else 1 after one line on stderr saying why."""
+    import optuna
+
+    S = optuna.trial.TrialState
+    trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(ATTR + "surplus")]
+    if any(t.state == S.COMPLETE for t in trials):
+        return 0
+    counts = {s.name: sum(t.state == s for t in trials) for s in (S.FAIL, S.PRUNED, S.RUNNING, S.WAITING)}
+    text = ", ".join(f"{v} {k}" for k, v in counts.items() if v) or "no trials"
+    reasons = [t for t in trials if t.state == S.FAIL and t.user_attrs.get(ATTR + "fail_reason")]
+    last = ""
+    if reasons:  # the latest: after a --retry_failed it is the current one
+        reason = " ".join(str(reasons[-1].user_attrs[ATTR + "fail_reason"]).split())
+        last = f"; trial {reasons[-1].number} failed with: {reason[:300]}{'...' if len(reason) > 300 else ''}"
+    others = " (other workers are still running trials)" if counts["RUNNING"] or counts["WAITING"] else ""
+    retry = " --retry_failed true runs failed points again once fixed." if ctx.is_grid else ""
+    print(
+        f"lit-mhar sweep run: error: no trial of study {ctx.study!r} has completed{others} ({text}){last}. "
+        f"Trial logs: {Path(ctx.output_dir) / ctx.study}/trial-NNNN/trial.log.{retry}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 1
+
+
 def run(
     study: str,
     space: Union[dict[str, Any], list[dict[str, Any]]],
@@ -842,7 +868,7 @@ def run(
     keep_checkpoints: bool = False,
     heartbeat_interval: int = 60,
     grace_period: Optional[int] = None,
-) -> None:
+) -> int:
     """Runs (or resumes) a sweep: an Optuna study whose trials are ``lit-mhar fit`` runs, tracked in MLflow.
 
     Give the sweep file with ``--config sweeps/h_sweep.yaml``; any field can be overridden on the
@@ -875,11 +901,20 @@ def run(
             trial of a killed worker on another machine is found and run again.
         grace_period: Seconds without a heartbeat after which a trial counts as dead (default 4x interval).
 
+    Returns:
+        The exit status of ``lit-mhar sweep run``: 0 when the study holds at least one COMPLETE
+        trial when the command ends (Optuna has a ``best_trial``), even if other trials failed: a
+        FAIL trial does not stop the sweep. 1 when it holds none (every trial failed or was
+        pruned, or a resumed study whose points all failed before), with a line on stderr that
+        gives the counts, the latest failure's reason and where the trial logs are.
+
     Raises:
         ValueError: before any trial starts: an unknown parameter, an empty grid, an invalid range,
             an unreachable storage, a config the fit CLI rejects, or an existing study made by a
             different sweep. A point whose model config is invalid (H not dividing d) is recorded
             as a FAIL trial with the reason, and the sweep goes on.
+        lit_mhar.tracking.TrackingUnavailable: the MLflow tracking server (``mlflow.tracking_uri``,
+            else ``MLFLOW_TRACKING_URI``) does not answer; checked before the study is opened.
     """
     if not isinstance(study, str) or not _STUDY_NAME.match(study):
         raise ValueError(f"study={study!r} must be a non-empty name of letters, digits, '.', '_' and '-'")
@@ -926,6 +961,9 @@ def run(
     spec = SweepSpec(base=merged, per_scale=per_scale, space=parsed, sampler=sampler, objective=objective)
 
     # ---- checks that need the storage and the fit CLI, before anything is created
+    from lit_mhar.tracking import check_tracking_uri
+
+    check_tracking_uri(_tracking_uri(mlflow))  # an MLflow server that does not answer: TrackingUnavailable, at once
     storage_url = storage if storage.startswith("journal:") else absolute_sqlite(storage) if "://" in storage else storage
     optuna_storage = open_storage(storage_url, heartbeat_interval, grace_period)
     import optuna
@@ -950,6 +988,8 @@ def run(
     study_obj, tracking_uri, experiment_id, parent_id, created = _init_study(
         {"study": study, "storage": storage_url, "pruner": pruner, "output_dir": output_dir}, spec, mlflow, optuna_storage, sweep_text
     )
+    if tracking_uri != _tracking_uri(mlflow):
+        check_tracking_uri(tracking_uri)  # a resumed study logs where it was created
     ctx = Context(
         study=study, storage=storage_url, spec=spec, pruner=pruner, objective=objective, tracking_uri=tracking_uri,
         experiment_id=experiment_id, parent_run_id=parent_id, output_dir=str(Path(output_dir).absolute()),
@@ -994,6 +1034,7 @@ def run(
         with contextlib.suppress(Exception):
             client.update_run(parent_id, status=status)
         say(study, _summary(final, ctx))
+    return _exit_status(final, ctx)
 
 
 def _prepare_data(ctx: Context, resolved_configs: list[dict[str, Any]]) -> None:

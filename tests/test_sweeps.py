@@ -471,3 +471,38 @@ def test_report_summary_gives_loss_spread_throughput_and_memory_against_prenorm(
     assert abs(hyper["val_loss_std"] - 0.0353553) < 1e-6 and hyper["throughput_vs_prenorm"] == 0.8 and hyper["memory_vs_prenorm"] == 1.3
     table = markdown_table(summarise(rows))
     assert "mem × prenorm" in table and "| **1.30** |" in table  # hyper, the best row, in bold
+
+
+# ----------------------------------------------------------------------------- exit status
+
+
+def test_sweep_whose_every_trial_fails_exits_1_with_a_summary(tmp_path, corpus, monkeypatch, capsys):
+    """No trial completes (H = 3, 5 do not divide d = 32: FAIL before any fit starts): exit 1 and why, also on resume."""
+    monkeypatch.chdir(tmp_path)
+    path = write_sweep(tmp_path, corpus, "allfail", {"residual": ["attnres"], "heads": [3, 5]})
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", "sweep", "run", "--config", str(path)])
+    assert main() == 1
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if "error:" in line]
+    assert line.startswith("lit-mhar sweep run: error: no trial of study 'allfail' has completed (2 FAIL); trial 1 failed with: ")
+    assert "ModelConfig.heads=5 must divide d_model=32" in line and str(tmp_path / "runs" / "allfail") in line and "--retry_failed true" in line
+    assert [t.state for t in load(tmp_path, "allfail").get_trials()] == [S.FAIL, S.FAIL]
+    assert main(["sweep", "run", "--config", str(path)]) == 1  # resumed: nothing left to run, still no result
+    assert "no trial of study 'allfail' has completed (2 FAIL)" in capsys.readouterr().err
+
+
+def test_sweep_exit_status_is_0_once_any_trial_completed(tmp_path, capsys):
+    """Optuna's view: a study succeeded when it has a best trial; FAIL and PRUNED trials beside it do not matter."""
+    from types import SimpleNamespace
+
+    from lit_mhar.sweeps.runner import _exit_status
+
+    ctx = SimpleNamespace(study="s", output_dir=str(tmp_path), is_grid=False)
+    study = optuna.create_study()
+    study.add_trial(optuna.trial.create_trial(state=S.FAIL, user_attrs={"lit_mhar.fail_reason": "RuntimeError: boom"}))
+    study.add_trial(optuna.trial.create_trial(state=S.PRUNED, intermediate_values={1: 5.0}))
+    assert _exit_status(study, ctx) == 1
+    assert "no trial of study 's' has completed (1 FAIL, 1 PRUNED); trial 0 failed with: RuntimeError: boom." in capsys.readouterr().err
+    study.add_trial(optuna.trial.create_trial(state=S.COMPLETE, value=3.0))
+    assert _exit_status(study, ctx) == 0
+    assert capsys.readouterr().err == ""
