@@ -307,6 +307,45 @@ def _log_to_mlflow(uri: str, run_id: str, result: dict[str, Any], folder: Path, 
     client.log_artifacts(run_id, str(folder), artifact_path=artifact_path)
 
 
+def _check_data_dir(data_dir: str, ckpt_path: Path, checkpoint: dict[str, Any]) -> None:
+    """Raises FileNotFoundError, naming the path and how to get a dataset, unless ``data_dir`` is one.
+
+    The hint, first that applies: the dataset above a ``train/`` or ``val/`` folder given; the
+    dataset the checkpoint was trained on, if it is here (``lit-mhar fit`` checkpoints record it);
+    a dataset inside the folder given; else ``lit-mhar prepare`` with the model's tokenizer (the
+    ids must mean what the model learnt).
+    """
+    from lit_mhar.data import MANIFEST_NAME
+    from lit_mhar.generate import tokenizer_candidates
+
+    path = Path(data_dir).expanduser()
+    if (path / MANIFEST_NAME).is_file():
+        return
+    if not path.exists():
+        problem = ": no such folder"
+    elif not path.is_dir():
+        problem = " is a file, not a dataset folder"
+    else:
+        problem = f" has no {MANIFEST_NAME} (not a dataset, or one whose preparation did not finish)"
+    trained = (checkpoint.get("datamodule_hyper_parameters") or {}).get("data_dir")
+    trained_path = Path(str(trained)).expanduser() if trained else None
+    split_parent = [path.parent] if path.name in ("train", "val") and (path.parent / MANIFEST_NAME).is_file() else []
+    children = sorted(p for p in path.iterdir() if (p / MANIFEST_NAME).is_file()) if path.is_dir() else []
+    if split_parent:
+        fix = f"did you mean --data_dir {split_parent[0]}?"
+    elif trained_path is not None and (trained_path / MANIFEST_NAME).is_file():
+        fix = f"the checkpoint was trained on {trained_path}: pass --data_dir {trained_path}"
+    elif children:
+        fix = f"did you mean --data_dir {children[0]}?"
+    else:
+        tokenizer = next((str(t) for t in tokenizer_candidates(ckpt_path, checkpoint) if t.is_file()), "MODEL_TOKENIZER.json")
+        fix = f"make one: lit-mhar prepare --output_dir {path} --source files --files '[\"corpus/*.txt\"]' --tokenizer {tokenizer}"
+    raise FileNotFoundError(
+        f"data_dir={data_dir!r}{problem}. --data_dir takes a dataset written by lit-mhar prepare (a folder with "
+        f"{MANIFEST_NAME}, train/, val/) with the model's tokenizer; {fix}"
+    )
+
+
 def probe(
     checkpoint: str,
     data_dir: str,
@@ -353,7 +392,8 @@ def probe(
         ValueError: a prenorm checkpoint (no routing sites, nothing to probe), a bad argument, a
             dataset whose vocabulary exceeds the model's; all before any output is written.
         FileExistsError: ``output_dir`` is not empty and ``overwrite`` is false.
-        FileNotFoundError: no checkpoint or dataset at the paths given.
+        FileNotFoundError: no checkpoint or dataset at the paths given (the message names the path
+            and the dataset to pass or how to prepare one).
     """
     from lit_mhar.convert import read_checkpoint
     from lit_mhar.data import TokenDataModule, read_manifest
@@ -384,6 +424,7 @@ def probe(
         raise ValueError(f"seq_len={seq_len!r} must be an integer in [1, {cfg.seq_len}] (the model's seq_len)")
     if max_tokens < seq_len:
         raise ValueError(f"max_tokens={max_tokens} is less than one sequence of seq_len={seq_len} tokens")
+    _check_data_dir(data_dir, ckpt_path, ckpt)
     manifest = read_manifest(data_dir)
     if manifest["vocab_size"] > cfg.vocab_size:
         raise ValueError(

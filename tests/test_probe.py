@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import sysconfig
 from pathlib import Path
@@ -188,6 +189,38 @@ def test_probe_finds_the_run_of_an_older_checkpoint_from_its_path(trained, tmp_p
     torch.save(state, moved)
     result = probe(str(moved), str(trained["data"]), str(tmp_path / "q"), max_tokens=SEQ, batch_size=1)
     assert result["mlflow"]["run_id"] is None and not (tmp_path / "gone.db").exists()
+
+
+def test_probe_names_a_missing_data_dir_and_the_dataset_to_pass_or_how_to_make_one(trained, tmp_path, monkeypatch, capsys):
+    ckpt, data, out = str(trained["ckpt"]), trained["data"], tmp_path / "p"
+    with pytest.raises(FileNotFoundError) as error:
+        probe(ckpt, str(tmp_path / "nope"), str(out))
+    assert str(error.value).startswith(f"data_dir='{tmp_path / 'nope'}': no such folder. --data_dir takes a dataset written by lit-mhar prepare")
+    assert str(error.value).endswith(f"the checkpoint was trained on {data}: pass --data_dir {data}")  # recorded by lit-mhar fit
+    with pytest.raises(FileNotFoundError, match=rf"data_dir='{re.escape(str(data / 'val'))}' has no manifest.json .*did you mean --data_dir {re.escape(str(data))}\?$"):
+        probe(ckpt, str(data / "val"), str(out))
+    with pytest.raises(FileNotFoundError, match=r"is a file, not a dataset folder"):
+        probe(ckpt, str(data / "manifest.json"), str(out))
+    # a checkpoint whose training data is gone: how to prepare data with the model's tokenizer
+    state = torch.load(trained["ckpt"], map_location="cpu", weights_only=True)
+    state["datamodule_hyper_parameters"]["data_dir"] = str(tmp_path / "gone")
+    moved = tmp_path / "ckpt" / "model.ckpt"
+    moved.parent.mkdir()
+    torch.save(state, moved)
+    with pytest.raises(FileNotFoundError) as error:
+        probe(str(moved), str(tmp_path / "nope"), str(out))
+    assert str(error.value).endswith(
+        f"make one: lit-mhar prepare --output_dir {tmp_path / 'nope'} --source files --files '[\"corpus/*.txt\"]' --tokenizer MODEL_TOKENIZER.json"
+    )
+    shutil.copyfile(data / "tokenizer.json", moved.parent / "tokenizer.json")  # as lit-mhar convert leaves it
+    with pytest.raises(FileNotFoundError, match=re.escape(f"--tokenizer {moved.parent / 'tokenizer.json'}") + "$"):
+        probe(str(moved), str(tmp_path / "nope"), str(out))
+    assert not out.exists()
+    # the command: one line, exit status 2
+    monkeypatch.setattr("sys.argv", ["lit-mhar", "probe", "--checkpoint", ckpt, "--data_dir", str(tmp_path / "nope"), "--output_dir", str(out)])
+    assert main() == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert line.startswith(f"lit-mhar probe: error: data_dir='{tmp_path / 'nope'}': no such folder.") and f"pass --data_dir {data}" in line
 
 
 def test_the_cli_lists_probe_and_convert(capsys):
