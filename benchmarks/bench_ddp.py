@@ -19,9 +19,13 @@ Three measurements, each a real ``lit-mhar fit`` (LitMharCLI, LitLM, Lightning's
 Results go to ``--out``: ``parity-*.csv``, ``scaling.csv``, ``resume.csv`` and ``ddp.md``.
 
     python benchmarks/bench_ddp.py parity  --config configs/350m/block_mhar.yaml --devices 2 --global_batch 32 --steps 50 --out OUT
+    python benchmarks/bench_ddp.py control --config configs/350m/block_mhar.yaml --global_batch 32 --steps 50 --out OUT
     python benchmarks/bench_ddp.py scaling --config configs/350m/prenorm.yaml configs/350m/block_mhar.yaml --devices 2 --steps 60 --out OUT
     python benchmarks/bench_ddp.py resume  --config configs/350m/block_mhar.yaml --devices 2 --steps 20 --out OUT
     # a CPU dry run (gloo): add --accelerator cpu --precision 32-true and small --set overrides
+
+``control``: the 1-device parity run twice, compared the same way: the run-to-run difference that
+    nondeterministic GPU kernels alone make, against which the parity difference is read.
 
 ``train`` is the single run ``parity`` starts twice (it is what Lightning's DDP launcher re-runs
 on every rank).
@@ -168,7 +172,8 @@ def _resolved_data(config: str, extra: list[str]) -> dict[str, Any]:
     return resolved["data"]
 
 
-def parity(args: argparse.Namespace) -> dict[str, Any]:
+def _parity_runs(args: argparse.Namespace, runs: list[tuple[int, Path]]) -> list[Path]:
+    """The fixed global batches (once, in ``--out``), then one ``train`` process per ``(devices, out_dir)``; the CSV paths."""
     out = Path(args.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     data = _resolved_data(args.config[0], args.set)
@@ -177,16 +182,35 @@ def parity(args: argparse.Namespace) -> dict[str, Any]:
     TokenDataModule(data["data_dir"], data["seq_len"], prepare_if_missing=data["prepare_if_missing"])  # the default corpus, once
     batches = fixed_blocks(data["data_dir"], data["seq_len"], args.steps * args.global_batch, data["seed"], out / "batches.pt")
     paths = []
-    for devices in (1, args.devices):
+    for devices, run_out in runs:
         command = [sys.executable, str(HERE), "train", "--config", args.config[0], "--devices", str(devices),
-                   "--global_batch", str(args.global_batch), "--steps", str(args.steps), "--out", str(out), "--batches", str(batches),
+                   "--global_batch", str(args.global_batch), "--steps", str(args.steps), "--out", str(run_out), "--batches", str(batches),
                    "--accelerator", args.accelerator] + (["--precision", args.precision] if args.precision else [])
         command += [f"--set={s}" for s in args.set_raw]
         print("$", " ".join(command), flush=True)
         subprocess.run(command, check=True)
-        paths.append(out / f"parity-{devices}dev.csv")
+        paths.append(run_out / f"parity-{devices}dev.csv")
+    return paths
+
+
+def parity(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out).absolute()
+    paths = _parity_runs(args, [(1, out), (args.devices, out)])
     result = dict(config=args.config[0], devices=args.devices, global_batch=args.global_batch, **compare(*paths))
     _write(out, "parity", [result])
+    return result
+
+
+def control(args: argparse.Namespace) -> dict[str, Any]:
+    """The noise floor of ``parity``: the 1-device run twice (same seed, weights and batches), compared as parity compares.
+
+    On a GPU the two differ only by nondeterministic kernels (atomics in cuBLAS / SDPA backward
+    reductions); a parity difference of the same size is that noise, not a DDP error.
+    """
+    out = Path(args.out).absolute()
+    paths = _parity_runs(args, [(1, out / "control-a"), (1, out / "control-b")])
+    result = dict(config=args.config[0], devices=1, global_batch=args.global_batch, **compare(*paths))
+    _write(out, "control", [result])
     return result
 
 
@@ -237,7 +261,7 @@ def resume(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     out = Path(args.out).absolute()
     rows = []
-    for first, second in ((args.devices, 1), (1, args.devices)):
+    for first, second in ((args.devices, 1), (1, args.devices))[: 1 if args.one_way else 2]:
         run_dir = out / f"resume-{first}to{second}"
         run_dir.mkdir(parents=True, exist_ok=True)
         common = ["--trainer.val_check_interval", str(args.steps), "--trainer.limit_val_batches", "2", *args.set]
@@ -269,7 +293,7 @@ def _write(out: Path, name: str, rows: list[dict[str, Any]]) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", choices=["parity", "scaling", "resume", "train"])
+    parser.add_argument("mode", choices=["parity", "control", "scaling", "resume", "train"])
     parser.add_argument("--config", nargs="+", required=True, help="fit config(s) (configs/<scale>/<variant>.yaml)")
     parser.add_argument("--devices", type=int, default=2, help="devices of the multi-device run (the other has 1)")
     parser.add_argument("--global_batch", type=int, default=32, help="parity: sequences per step, all devices together")
@@ -279,6 +303,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--precision", default=None, help="default: the CLI's (bf16-mixed on GPUs)")
     parser.add_argument("--set", action="append", default=[], help="one more fit argument as KEY=VALUE: --set=--data.seq_len=128 (repeatable)")
     parser.add_argument("--batches", help="train: the global batches (parity writes them: OUT/batches.pt)")
+    parser.add_argument("--one_way", action="store_true", help="resume: only N devices -> 1 (default: also 1 -> N)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     args.set_raw, args.set = args.set, [part for s in args.set for part in s.split("=", 1)]
@@ -286,6 +311,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         train(args.config[0], args.devices, args.global_batch, args.steps, args.out, args.batches, args.accelerator, args.precision, args.set)
     elif args.mode == "parity":
         parity(args)
+    elif args.mode == "control":
+        control(args)
     elif args.mode == "scaling":
         scaling(args)
     else:

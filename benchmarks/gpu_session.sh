@@ -7,6 +7,8 @@
 #                        benchmarks/bench_generate.py (350m) runs alone on GPU 1; when it ends, two
 #                        more sweep commands on GPU 1. All four share one sqlite study.
 #   MODE=sweep           four sweep commands, two per GPU (resumes a study carried in .sweep-state/).
+#   MODE=final           bench_generate (350m) on GPU 1 beside bench_ddp control on GPU 0, then block MHAR
+#                        scaling and resume on both GPUs.
 #   MODE=ddp             benchmarks/bench_ddp.py parity, scaling and resume at 350m on both GPUs.
 #
 # At most 8 files come back from $OUT: each mode tars its folders.
@@ -78,5 +80,20 @@ case $MODE in
     cp "$OUT/ddp/ddp.md" "$OUT/" 2>/dev/null
     tar czf "$OUT/ddp.tgz" -C "$OUT" ddp ddp-parity.log ddp-scaling.log ddp-resume.log && rm -rf "$OUT/ddp" "$OUT"/ddp-*.log
     cat "$OUT/ddp.md" 2>/dev/null ;;
+  final)  # generate (350m) on GPU 1 beside the parity control on GPU 0; then block MHAR scaling; then resume
+    B="$R/benchmarks/bench_ddp.py"
+    CUDA_VISIBLE_DEVICES=1 timeout 200 python3 "$R/benchmarks/bench_generate.py" --scale 350m --compile --out "$OUT" \
+      > "$OUT/generate.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 "$B" control --config "$R/configs/350m/block_mhar.yaml" --global_batch 32 --steps 50 \
+      --out "$OUT/ddp" > "$OUT/ddp-control.log" 2>&1; echo "control exit $? at $SECONDS s"
+    wait; echo "generate done at $SECONDS s"
+    timeout $(( ${DEADLINE:-540} - SECONDS - 120 )) python3 "$B" scaling --config "$R/configs/350m/block_mhar.yaml" --devices 2 --steps 60 \
+      --log_every 10 --out "$OUT/ddp" > "$OUT/ddp-scaling.log" 2>&1; echo "scaling exit $? at $SECONDS s"
+    timeout $(( ${DEADLINE:-540} - SECONDS )) python3 "$B" resume --config "$R/configs/350m/block_mhar.yaml" --devices 2 --steps 10 \
+      --out "$OUT/ddp" > "$OUT/ddp-resume.log" 2>&1; echo "resume exit $? at $SECONDS s"
+    grep -h "^{" "$OUT"/ddp-*.log
+    find "$OUT/ddp" -name '*.ckpt' -delete; rm -f "$OUT/ddp/batches.pt"
+    tar czf "$OUT/ddp.tgz" -C "$OUT" ddp ddp-control.log ddp-scaling.log ddp-resume.log generate.log && rm -rf "$OUT/ddp" "$OUT"/ddp-*.log
+    cat "$OUT/generate_bench.md" 2>/dev/null || tail -n 30 "$OUT/generate.log" ;;
 esac
 echo "done at $SECONDS s"
