@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import platform
 import subprocess
+import sys
 import tempfile
+import time
+import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -18,6 +22,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 import lit_mhar
 from lit_mhar.data import TokenDataModule
 from lit_mhar.module import LitLM
+from lit_mhar.tracking import check_tracking_uri, redact
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "lit-mhar"
@@ -61,27 +66,125 @@ def run_tags() -> dict[str, str]:
 class MLflowSaveConfig(SaveConfigCallback):
     """Stores the full resolved config (``config.yaml`` artifact), versions and git commit in the MLflow run.
 
-    The config is also written beside the run's checkpoints. Other loggers get the config file in
-    their log dir as LightningCLI does by default.
+    The config is also written to the run's folder ``<default_root_dir>/<experiment_id>/<run_id>/``,
+    beside its checkpoints, and that folder becomes the logger's ``untracked_dir``
+    (:class:`lit_mhar.tracking.MLFlowLogger`). Other loggers get the config file in their log dir as
+    LightningCLI does by default.
+
+    Args:
+        segment: Set when this fit continues an earlier fit's run (``fit --ckpt_path``): the
+            sub-folder of the run's folder, and of its artifacts, that this fit's ``config.yaml``
+            goes to, so the first fit's config is kept. The run is marked RUNNING again.
     """
+
+    def __init__(self, *args: Any, segment: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.segment = segment
 
     def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         text = self.parser.dump(self.config, skip_none=False)
         for logger in trainer.loggers:
             if isinstance(logger, MLFlowLogger):
+                client, run_id = logger.experiment, logger.run_id
+                if self.segment:
+                    client.update_run(run_id, status="RUNNING")
                 for key, value in run_tags().items():
-                    logger.experiment.set_tag(logger.run_id, key, value)
+                    client.set_tag(run_id, key, value)
                 with tempfile.TemporaryDirectory() as tmp:
                     path = Path(tmp) / "config.yaml"
                     path.write_text(text)
-                    logger.experiment.log_artifact(logger.run_id, str(path))
-                run_dir = Path(trainer.default_root_dir) / str(logger.experiment_id) / str(logger.run_id)
-                run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "config.yaml").write_text(text)
+                    client.log_artifact(run_id, str(path), self.segment)
+                run_dir = Path(trainer.default_root_dir) / str(logger.experiment_id) / str(run_id)
+                (run_dir / (self.segment or "")).mkdir(parents=True, exist_ok=True)
+                (run_dir / (self.segment or "") / "config.yaml").write_text(text)
+                if hasattr(logger, "untracked_dir"):
+                    logger.untracked_dir = run_dir
+
+
+def utc_stamp() -> str:
+    """The current UTC time as ``20261130T070312Z``."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def _mlflow_init_args(config: Any) -> Any:
+    """The ``init_args`` of the configured logger if it is one MLflow logger, else None."""
+    logger = config.get("trainer.logger")
+    class_path = logger.get("class_path") if hasattr(logger, "get") else None
+    if not isinstance(class_path, str) or "." not in class_path:
+        return None
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None  # jsonargparse reports it when it instantiates the logger
+    if not (isinstance(cls, type) and issubclass(cls, MLFlowLogger)):
+        return None
+    if logger.get("init_args") is None:
+        logger["init_args"] = type(logger)()
+    return logger["init_args"]
 
 
 class LitMharCLI(LightningCLI):
-    """LightningCLI with the data -> model links and lit-mhar's defaults (MLflow, bf16 on GPU)."""
+    """LightningCLI with the data -> model links and lit-mhar's defaults (MLflow, bf16 on GPU).
+
+    Before any data or model work, with an MLflow logger (the default:
+    :class:`lit_mhar.tracking.MLFlowLogger`):
+
+    * an ``http(s)://`` tracking server is checked: :class:`lit_mhar.tracking.TrackingUnavailable`
+      (naming the URI) if it does not answer;
+    * ``fit --ckpt_path CKPT`` without a ``run_id`` continues the MLflow run the checkpoint records
+      (``checkpoint["mlflow"]``, written by ``LitLM``) when it logs to the same tracking URI:
+      metrics go on in that run, and this fit's checkpoints and ``config.yaml`` go to
+      ``<run folder>/resumed-<UTC time>/`` (the checkpoint resumed from is never overwritten);
+    * a new run without a ``run_name`` is named ``<preset>-<residual>-H<heads>-S<block_size>-<UTC time>``
+      (MLflow's random names repeat under a fixed seed: ``seed_everything`` seeds them).
+    """
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        init = _mlflow_init_args(config)
+        if init is None:
+            return
+        if not init.get("tracking_uri"):
+            init["tracking_uri"] = tracking_uri()
+        check_tracking_uri(init["tracking_uri"])
+        if self.subcommand == "fit" and config.get("ckpt_path") and not init.get("run_id"):
+            self._continue_run(config, init)
+        if not init.get("run_id") and not init.get("run_name"):
+            model = config.get("model.config")
+            parts = [model.get(k) for k in ("name", "residual", "heads", "block_size")] if model is not None else [None] * 4
+            if None not in parts:
+                init["run_name"] = f"{parts[0]}-{parts[1]}-H{parts[2]}-S{parts[3]}-{utc_stamp()}"
+            else:
+                init["run_name"] = f"lit-mhar-{utc_stamp()}"
+
+    def _continue_run(self, config: Any, init: Any) -> None:
+        """Points the logger at the MLflow run of ``config.ckpt_path`` (see the class docstring)."""
+        from lit_mhar.probe import absolute_tracking_uri
+
+        ckpt = Path(str(config["ckpt_path"]))
+        if not ckpt.is_file():  # "last", "best", a remote path: Lightning resolves those; a new run
+            return
+        record = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True).get("mlflow") or {}
+        if not record.get("run_id"):
+            return
+        here = absolute_tracking_uri(init["tracking_uri"])
+        if record.get("tracking_uri", "").rstrip("/") != here.rstrip("/"):
+            print(
+                f"[lit-mhar] note: {ckpt} belongs to MLflow run {record['run_id']} in {redact(record.get('tracking_uri', '?'))}; "
+                f"this fit logs to {redact(here)}, so it starts a new run there (set MLFLOW_TRACKING_URI or "
+                "--trainer.logger.init_args.tracking_uri to that store to continue the run).",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        init["run_id"] = record["run_id"]
+        segment = f"resumed-{utc_stamp()}"
+        run_dir = Path(config.get("trainer.default_root_dir") or ".") / str(record["experiment_id"]) / record["run_id"]
+        if config.get("checkpoint") is not None and config.get("checkpoint.dirpath") is None:
+            config["checkpoint.dirpath"] = str(run_dir / segment / "checkpoints")
+        if isinstance(self.save_config_callback, type) and issubclass(self.save_config_callback, MLflowSaveConfig):
+            self.save_config_kwargs["segment"] = segment
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # Known only once the data is prepared: the tokenizer's vocabulary and the sequence length.
@@ -96,7 +199,7 @@ class LitMharCLI(LightningCLI):
                 "checkpoint.save_top_k": 1,
                 "checkpoint.save_last": True,
                 "trainer.logger": {
-                    "class_path": "lightning.pytorch.loggers.MLFlowLogger",
+                    "class_path": "lit_mhar.tracking.MLFlowLogger",
                     "init_args": {"experiment_name": DEFAULT_EXPERIMENT, "tracking_uri": tracking_uri()},
                 },
                 "trainer.precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
@@ -116,11 +219,18 @@ class LitMharCLI(LightningCLI):
 
 
 def run_lightning(args: Optional[list[str]] = None) -> LitMharCLI:
-    """Run a LightningCLI subcommand (``fit``, ``validate``, ``test``, ``predict``) with ``args``."""
-    return LitMharCLI(
-        LitLM,
-        TokenDataModule,
-        save_config_callback=MLflowSaveConfig,
-        save_config_kwargs={"save_to_log_dir": False},
-        args=args,
-    )
+    """Run a LightningCLI subcommand (``fit``, ``validate``, ``test``, ``predict``) with ``args``.
+
+    ``args`` None reads ``sys.argv``. Raises :class:`lit_mhar.tracking.TrackingUnavailable` before
+    any data or model work when the MLflow tracking server does not answer.
+    """
+    with warnings.catch_warnings():
+        # explicit args are this function's purpose (tests, sweep trials), not a mistake to warn about
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended", category=UserWarning)
+        return LitMharCLI(
+            LitLM,
+            TokenDataModule,
+            save_config_callback=MLflowSaveConfig,
+            save_config_kwargs={"save_to_log_dir": False},
+            args=args,
+        )

@@ -197,7 +197,9 @@ class LitLM(L.LightningModule):
             hp = checkpoint["hyper_parameters"]
             hp["config"] = self.config.to_dict() if isinstance(hp.get("config"), dict) else self.config
             hp["init_from"] = None
-        # The MLflow run this checkpoint belongs to, for tools that report back to it (lit-mhar probe).
+        # The MLflow run this checkpoint belongs to, for tools that report back to it (lit-mhar probe)
+        # and for `fit --ckpt_path` to continue it; `tracking_lost` is set when the logger
+        # (lit_mhar.tracking.MLFlowLogger) lost the server before this checkpoint.
         from lightning.pytorch.loggers import MLFlowLogger
 
         from lit_mhar.probe import absolute_tracking_uri
@@ -208,6 +210,7 @@ class LitLM(L.LightningModule):
                     "tracking_uri": absolute_tracking_uri(logger.experiment.tracking_uri),
                     "experiment_id": str(logger.experiment_id),
                     "run_id": str(logger.run_id),
+                    "tracking_lost": getattr(logger, "tracking_lost", None),
                 }
                 break
 
