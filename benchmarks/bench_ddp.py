@@ -269,8 +269,9 @@ def resume(args: argparse.Namespace) -> list[dict[str, Any]]:
         (ckpt,) = run_dir.glob("runs/*/*/checkpoints/last.ckpt")
         _fit(_fit_args(args.config[0], second, args.accelerator, args.precision, 2 * args.steps, run_dir, common)
              + ["--ckpt_path", str(ckpt)], run_dir / "second.log")
-        resumed = [p for p in run_dir.glob("runs/*/*/checkpoints/last.ckpt") if p != ckpt]
-        step = torch.load(resumed[0], map_location="cpu", weights_only=False)["global_step"] if len(resumed) == 1 else None
+        # the resumed fit continues the checkpoint's MLflow run, in runs/<exp>/<run>/resumed-<time>/checkpoints/
+        newest = max(run_dir.glob("runs/**/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        step = torch.load(newest, map_location="cpu", weights_only=False)["global_step"]
         rows.append(dict(config=args.config[0], written_on=first, resumed_on=second, first_steps=args.steps,
                          final_step=step, ok=step == 2 * args.steps))
         print(rows[-1], flush=True)

@@ -204,7 +204,9 @@ class LitLM(L.LightningModule):
 
         from lit_mhar.probe import absolute_tracking_uri
 
-        for logger in self.loggers:
+        # Only global rank 0 writes checkpoint files, and only there is the logger's experiment (the
+        # MLflow client) real: on the other ranks Lightning replaces it by a no-op.
+        for logger in self.loggers if self.trainer.is_global_zero else ():
             if isinstance(logger, MLFlowLogger) and logger.run_id is not None:
                 checkpoint["mlflow"] = {
                     "tracking_uri": absolute_tracking_uri(logger.experiment.tracking_uri),

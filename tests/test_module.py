@@ -74,3 +74,27 @@ def test_hyper_connection_weights_are_not_weight_decayed():
     hc = {id(p) for name, p in m.model.named_parameters() if "_hc." in name}
     assert hc and hc == {id(p) for p in m.model.routing_parameters()}
     assert all(g["weight_decay"] == 0.0 for g in opt.param_groups if hc & {id(p) for p in g["params"]})
+
+
+@pytest.mark.parametrize("global_zero", [True, False], ids=["rank0", "rank1"])
+def test_checkpoint_records_the_mlflow_run_on_rank_zero_only(global_zero, tmp_path, monkeypatch):
+    """A resumed multi-process fit gives every rank's logger the run id; off rank 0 its experiment is a no-op,
+    so the checkpoint hook must not read it there (it raised AttributeError on rank 1)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import MLFlowLogger
+    from lightning.pytorch.utilities import rank_zero_only
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    logger = MLFlowLogger(experiment_name="e", tracking_uri=uri)
+    run_id = logger.run_id  # creates the run (as rank 0 did in the first fit)
+    monkeypatch.setattr(rank_zero_only, "rank", 0 if global_zero else 1)
+    resumed = MLFlowLogger(experiment_name="e", tracking_uri=uri, run_id=run_id)
+    module = LitLM(ModelConfig.from_name("debug", n_layer=1, d_model=32, n_head=2, n_kv_head=1, ffn_dim=32))
+    module._trainer = SimpleNamespace(loggers=[resumed], is_global_zero=global_zero)
+    checkpoint = {"hyper_parameters": {}}
+    module.on_save_checkpoint(checkpoint)
+    if global_zero:
+        assert checkpoint["mlflow"]["run_id"] == run_id and checkpoint["mlflow"]["tracking_uri"].startswith("sqlite:////")
+    else:
+        assert "mlflow" not in checkpoint
