@@ -147,7 +147,7 @@ def open_storage(url: str, heartbeat_interval: Optional[int] = None, grace_perio
         lock = StorageLock(url)  # two processes creating a new sqlite schema at once collide ("table trials already exists")
         lock.acquire()
         try:
-            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval, grace_period=grace)
+            return _create_rdb_storage(url, engine_kwargs, heartbeat_interval, grace)
         finally:
             lock.release()
     except Exception as e:  # noqa: BLE001 - any failure to open is reported with the URL
@@ -155,6 +155,29 @@ def open_storage(url: str, heartbeat_interval: Optional[int] = None, grace_perio
             f"storage {redact(url)!r} is unreachable ({type(e).__name__}: {e}). Valid: an RDB URL such as "
             "sqlite:///sweeps.db or postgresql://user:password@host/db (with its driver installed), or journal:PATH"
         ) from None
+
+
+def _create_rdb_storage(url: str, engine_kwargs: Optional[dict], heartbeat_interval: Optional[int], grace: Optional[int],
+                        attempts: int = 20) -> Any:
+    """``optuna.storages.RDBStorage``, retried while another process creates the same schema.
+
+    Workers on several machines that open a new database server study at the same moment all
+    issue Optuna's ``CREATE TYPE`` / ``CREATE TABLE``; the losers get an ``IntegrityError`` or
+    ``ProgrammingError`` ("already exists") and succeed once the winner has committed. Other
+    errors (a refused connection, bad credentials: ``OperationalError``) are raised at once.
+    """
+    import time
+
+    import optuna
+    from sqlalchemy.exc import IntegrityError, ProgrammingError
+
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval, grace_period=grace)
+        except (IntegrityError, ProgrammingError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.25 * (attempt + 1))
 
 
 class StorageLock:

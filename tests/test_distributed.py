@@ -99,7 +99,10 @@ def test_two_process_ddp_fit_on_cpu_logs_one_run_and_resumes_on_one_process(smal
     resumed = [p for p in (tmp_path / "runs").rglob("last.ckpt") if p != ckpt]
     assert len(resumed) == 1
     assert torch.load(resumed[0], map_location="cpu", weights_only=False)["global_step"] == 6
-    assert len(client.search_runs([experiment])) == 2
+    (continued,) = client.search_runs([experiment])  # the resumed fit continues the 2-process fit's run
+    assert continued.info.run_id == run.info.run_id and continued.info.status == "FINISHED"
+    steps = {m.step for m in client.get_metric_history(run.info.run_id, "train/loss")}
+    assert min(steps) < 3 <= max(steps), steps  # metrics of both fits in the one run
 
 
 @pytest.mark.slow

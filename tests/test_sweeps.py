@@ -1,7 +1,7 @@
 """``lit-mhar sweep``: search-space parsing, budgets, bad input, and real sweeps of real fits on tiny data.
 
 The sweeps here are the shipped ``sweeps/debug.yaml`` with a tiny model (d=32, one layer) on a
-corpus of a few stdlib modules prepared into tmp_path, so each trial is a real ``lit-mhar fit``
+corpus of a few stdlib modules prepared once per session (tests/conftest.py), so each trial is a real ``lit-mhar fit``
 subprocess of a few seconds plus its start-up (importing Lightning and MLflow: ~15 s on two cores).
 """
 
@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -30,27 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 S = optuna.trial.TrialState
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A tiny dataset of real stdlib modules, prepared with `prepare(source="files")`."""
-    from lit_mhar.data import prepare
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = [str(stdlib / name) for name in ("textwrap.py", "shlex.py", "colorsys.py", "bisect.py", "heapq.py", "fnmatch.py",
-                                             "glob.py", "string.py", "keyword.py", "struct.py", "copy.py", "abc.py")]
-    out = tmp_path_factory.mktemp("corpus") / "data"
-    prepare(output_dir=str(out), source="files", files=files, vocab_size=300, val_fraction=0.3, chunk_bytes="64KB")
-    return out
-
-
-def write_sweep(tmp: Path, corpus: Path, study: str, space, **fields) -> Path:
+def write_sweep(tmp: Path, stdlib_corpus: Path, study: str, space, **fields) -> Path:
     """sweeps/debug.yaml with a tiny model, the corpus, and every store inside ``tmp``."""
     sweep = yaml.safe_load((ROOT / "sweeps" / "debug.yaml").read_text())
     sweep["study"] = study
     sweep["space"] = space
     sweep["base"]["model"]["config"].update(d_model=32, n_layer=1, n_head=2, n_kv_head=1, ffn_dim=64)
     sweep["base"]["model"]["warmup_steps"] = 2
-    sweep["base"]["data"].update(data_dir=str(corpus), seq_len=32, batch_size=4)
+    sweep["base"]["data"].update(data_dir=str(stdlib_corpus), seq_len=32, batch_size=4)
     sweep["base"]["trainer"].update(log_every_n_steps=2, limit_val_batches=2)
     sweep["objective"] = {"tokens": 1024, "evals": 2}  # 8 steps of 4 x 32 tokens
     sweep["storage"] = f"sqlite:///{tmp / 'sweeps.db'}"
@@ -214,7 +200,7 @@ def test_journal_storage_opens_and_locks_beside_its_file(tmp_path):
      ("sqlite://", "in-memory")],
     ids=["sqlite-missing-folder", "postgres-unreachable", "no-scheme", "in-memory"],
 )
-def test_unusable_storage_fails_before_anything_is_created(tmp_path, corpus, storage, message, monkeypatch):
+def test_unusable_storage_fails_before_anything_is_created(tmp_path, stdlib_corpus, storage, message, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError) as error:
         run(study="s", space={"heads": [1]}, base={"model": {"config": {"name": "debug", "residual": "attnres"}}}, storage=storage,
@@ -224,9 +210,9 @@ def test_unusable_storage_fails_before_anything_is_created(tmp_path, corpus, sto
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "runs").exists()
 
 
-def test_unknown_fit_argument_in_the_space_fails_before_the_study_exists(tmp_path, corpus, monkeypatch):
+def test_unknown_fit_argument_in_the_space_fails_before_the_study_exists(tmp_path, stdlib_corpus, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    path = write_sweep(tmp_path, corpus, "typo", [{"residual": ["prenorm"], "model.warmup_stepz": [5]}])
+    path = write_sweep(tmp_path, stdlib_corpus, "typo", [{"residual": ["prenorm"], "model.warmup_stepz": [5]}])
     with pytest.raises(ValueError, match="warmup_stepz"):
         main(["sweep", "run", "--config", str(path)])
     assert "typo" not in optuna.get_all_study_names(open_storage(f"sqlite:///{tmp_path / 'sweeps.db'}"))
@@ -285,7 +271,7 @@ def test_compare_sweep_runs_every_published_method_at_both_scales_with_two_seeds
 # ----------------------------------------------------------------------------- real sweeps
 
 
-def test_debug_sweep_end_to_end(tmp_path, corpus, monkeypatch):
+def test_debug_sweep_end_to_end(tmp_path, stdlib_corpus, monkeypatch):
     """Optuna study, MLflow parent and children, a trial that raises, an invalid model, resume, report."""
     monkeypatch.chdir(tmp_path)
     space = [
@@ -294,7 +280,7 @@ def test_debug_sweep_end_to_end(tmp_path, corpus, monkeypatch):
         {"residual": ["attnres"], "heads": [1], "data.data_dir": [str(tmp_path / "missing")], "data.prepare_if_missing": [False]},
         {"residual": ["attnres"], "heads": [2, 3]},  # H=3 does not divide d=32: FAIL before it starts
     ]
-    path = write_sweep(tmp_path, corpus, "e2e", space)
+    path = write_sweep(tmp_path, stdlib_corpus, "e2e", space)
     assert main(["sweep", "run", "--config", str(path)]) == 0
 
     study = load(tmp_path, "e2e")
@@ -361,10 +347,10 @@ def test_debug_sweep_end_to_end(tmp_path, corpus, monkeypatch):
 
 
 @pytest.mark.slow
-def test_two_commands_and_two_workers_share_a_grid_each_point_exactly_once(tmp_path, corpus):
+def test_two_commands_and_two_workers_share_a_grid_each_point_exactly_once(tmp_path, stdlib_corpus):
     """`sweep run --workers 2` and a second `sweep run` started at the same moment on one sqlite study."""
     space = [{"residual": ["prenorm"]}, {"residual": ["attnres", "delta"], "heads": [2]}]  # 3 points for 3 workers
-    path = write_sweep(tmp_path, corpus, "shared", space)
+    path = write_sweep(tmp_path, stdlib_corpus, "shared", space)
     procs = [cli("sweep", "run", "--config", str(path), "--workers", "2", cwd=tmp_path), cli("sweep", "run", "--config", str(path), cwd=tmp_path)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
@@ -381,9 +367,9 @@ def test_two_commands_and_two_workers_share_a_grid_each_point_exactly_once(tmp_p
 
 
 @pytest.mark.slow
-def test_killed_sweep_resumes_without_redoing_finished_trials(tmp_path, corpus):
+def test_killed_sweep_resumes_without_redoing_finished_trials(tmp_path, stdlib_corpus):
     space = [{"residual": ["prenorm"]}, {"residual": ["attnres"], "heads": [2]}]
-    path = write_sweep(tmp_path, corpus, "killed", space, objective={"tokens": 16384, "evals": 2})  # 128 steps: time to kill
+    path = write_sweep(tmp_path, stdlib_corpus, "killed", space, objective={"tokens": 16384, "evals": 2})  # 128 steps: time to kill
     proc = cli("sweep", "run", "--config", str(path), cwd=tmp_path)
     log_1 = tmp_path / "runs" / "killed" / "trial-0001" / "trial.log"
     deadline = time.time() + 300
@@ -440,9 +426,9 @@ def test_base_config_is_read_relative_to_the_sweep_file(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_random_sampler_with_median_pruner_prunes_a_trial_that_does_not_learn(tmp_path, corpus):
+def test_random_sampler_with_median_pruner_prunes_a_trial_that_does_not_learn(tmp_path, stdlib_corpus):
     """Random sampling until n_trials, and a real pruned trial: lr 1e-7 is worse than the median at validation 1."""
-    path = write_sweep(tmp_path, corpus, "pruned", {"residual": ["attnres"], "lr": [0.003, 1e-7]},
+    path = write_sweep(tmp_path, stdlib_corpus, "pruned", {"residual": ["attnres"], "lr": [0.003, 1e-7]},
                        sampler={"name": "random", "n_trials": 2, "seed": 10},  # seed 10 draws 0.003, then 1e-7
                        pruner={"name": "median", "n_startup_trials": 1})
     assert main(["sweep", "run", "--config", str(path)]) == 0
@@ -476,10 +462,10 @@ def test_report_summary_gives_loss_spread_throughput_and_memory_against_prenorm(
 # ----------------------------------------------------------------------------- exit status
 
 
-def test_sweep_whose_every_trial_fails_exits_1_with_a_summary(tmp_path, corpus, monkeypatch, capsys):
+def test_sweep_whose_every_trial_fails_exits_1_with_a_summary(tmp_path, stdlib_corpus, monkeypatch, capsys):
     """No trial completes (H = 3, 5 do not divide d = 32: FAIL before any fit starts): exit 1 and why, also on resume."""
     monkeypatch.chdir(tmp_path)
-    path = write_sweep(tmp_path, corpus, "allfail", {"residual": ["attnres"], "heads": [3, 5]})
+    path = write_sweep(tmp_path, stdlib_corpus, "allfail", {"residual": ["attnres"], "heads": [3, 5]})
     monkeypatch.setattr(sys, "argv", ["lit-mhar", "sweep", "run", "--config", str(path)])
     assert main() == 1
     err = capsys.readouterr().err

@@ -22,11 +22,10 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import optuna
 import pytest
@@ -148,19 +147,6 @@ def artifacts(uri: str, run_id: str, path: str = "") -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A tiny dataset of real stdlib modules, prepared with `prepare(source="files")`."""
-    from lit_mhar.data import prepare
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = [str(stdlib / name) for name in ("textwrap.py", "shlex.py", "colorsys.py", "bisect.py", "heapq.py", "fnmatch.py",
-                                             "glob.py", "string.py", "keyword.py", "struct.py", "copy.py", "abc.py")]
-    out = tmp_path_factory.mktemp("corpus") / "data"
-    prepare(output_dir=str(out), source="files", files=files, vocab_size=300, val_fraction=0.3, chunk_bytes="64KB")
-    return out
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     """One MLflow server for the module: PostgreSQL-backed when LIT_MHAR_TEST_POSTGRES is set, else sqlite."""
     folder = tmp_path_factory.mktemp("mlflow-server")
@@ -190,12 +176,12 @@ def fit_args(data: Path, tmp: Path, experiment: str, *extra: str) -> list[str]:
 GRID = [{"residual": ["prenorm"]}, {"residual": ["attnres"], "heads": [2]}]  # 2 points: one per worker
 
 
-def sweep_file(tmp: Path, corpus: Path, study: str, storage: str, experiment: str) -> Path:
+def sweep_file(tmp: Path, stdlib_corpus: Path, study: str, storage: str, experiment: str) -> Path:
     """sweeps/debug.yaml on GRID with a tiny model (8 steps per trial); MLflow from MLFLOW_TRACKING_URI."""
     sweep = yaml.safe_load((ROOT / "sweeps" / "debug.yaml").read_text())
     sweep["base"]["model"]["config"].update(d_model=32, n_layer=1, n_head=2, n_kv_head=1, ffn_dim=64)
     sweep["base"]["model"]["warmup_steps"] = 2
-    sweep["base"]["data"].update(data_dir=str(corpus), seq_len=32, batch_size=4)
+    sweep["base"]["data"].update(data_dir=str(stdlib_corpus), seq_len=32, batch_size=4)
     sweep["base"]["trainer"].update(log_every_n_steps=2, limit_val_batches=2)
     sweep.update(study=study, space=GRID, objective={"tokens": 1024, "evals": 2}, storage=storage, mlflow={"experiment": experiment},
                  output_dir=str(tmp / "runs"))
@@ -214,24 +200,24 @@ def val_losses(storage: str, study: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def sqlite_sweep(server, corpus, tmp_path_factory) -> dict[str, Any]:
+def sqlite_sweep(server, stdlib_corpus, tmp_path_factory) -> dict[str, Any]:
     """GRID swept once on sqlite (two workers of one command), logging to the server: the reference for the PostgreSQL sweep."""
     tmp = tmp_path_factory.mktemp("sqlite-sweep")
     storage = f"sqlite:///{tmp / 'sweeps.db'}"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", server.uri)
         mp.chdir(tmp)
-        assert main(["sweep", "run", "--config", str(sweep_file(tmp, corpus, "grid", storage, "sweep-sqlite")), "--workers", "2"]) == 0
+        assert main(["sweep", "run", "--config", str(sweep_file(tmp, stdlib_corpus, "grid", storage, "sweep-sqlite")), "--workers", "2"]) == 0
     return {"losses": val_losses(storage, "grid"), "experiment": "sweep-sqlite"}
 
 
 # ----------------------------------------------------------------------------- a tracking server
 
 
-def test_fit_logs_metrics_params_tags_and_config_to_a_tracking_server(server, corpus, tmp_path, monkeypatch):
+def test_fit_logs_metrics_params_tags_and_config_to_a_tracking_server(server, stdlib_corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
     monkeypatch.chdir(tmp_path)
-    main(fit_args(corpus, tmp_path, "fit-server", "--model.config.residual", "attnres", "--model.config.heads", "2"))
+    main(fit_args(stdlib_corpus, tmp_path, "fit-server", "--model.config.residual", "attnres", "--model.config.heads", "2"))
     (run,) = runs(server.uri, "fit-server")
     assert run["info"]["status"] == "FINISHED"
     assert re.fullmatch(r"debug-attnres-H2-S1-\d{8}T\d{6}Z", run["info"]["run_name"]), run["info"]["run_name"]
@@ -262,12 +248,36 @@ def test_sweep_logs_its_parent_and_one_child_per_grid_point_to_a_tracking_server
     assert by_point == pytest.approx(sqlite_sweep["losses"])
 
 
+def _open_storage_in_a_process(url: str) -> str:
+    from lit_mhar.sweeps.runner import open_storage
+
+    try:
+        open_storage(url)
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - the test reports what each process got
+        return f"{type(e).__name__}: {e}"
+
+
 @pytest.mark.skipif(not POSTGRES, reason="LIT_MHAR_TEST_POSTGRES is not set (.ci/run starts a PostgreSQL server and sets it)")
-def test_two_sweep_commands_share_a_postgresql_study_each_grid_point_once_with_the_sqlite_results(server, corpus, sqlite_sweep, tmp_path):
+def test_workers_opening_a_new_postgresql_storage_at_once_all_succeed():
+    """Optuna creates its schema on first use; workers starting together on an empty database race
+    on CREATE TYPE (IntegrityError on PostgreSQL), which failed every worker but one."""
+    import multiprocessing
+
+    storage = create_database("race")
+    try:
+        with multiprocessing.get_context("fork").Pool(3) as pool:  # fork: no re-import, the race starts at once
+            assert pool.map(_open_storage_in_a_process, [storage] * 3) == ["ok"] * 3
+    finally:
+        drop_database(storage)
+
+
+@pytest.mark.skipif(not POSTGRES, reason="LIT_MHAR_TEST_POSTGRES is not set (.ci/run starts a PostgreSQL server and sets it)")
+def test_two_sweep_commands_share_a_postgresql_study_each_grid_point_once_with_the_sqlite_results(server, stdlib_corpus, sqlite_sweep, tmp_path):
     """Two `lit-mhar sweep run` processes (as on two machines) on one PostgreSQL study, logging to the MLflow server."""
     storage = create_database("sweep")
     try:
-        path = sweep_file(tmp_path, corpus, "grid", storage, "sweep-postgres")
+        path = sweep_file(tmp_path, stdlib_corpus, "grid", storage, "sweep-postgres")
         env = dict(os.environ, MLFLOW_TRACKING_URI=server.uri)
         procs = [subprocess.Popen([sys.executable, "-m", "lit_mhar.cli", "sweep", "run", "--config", str(path)], cwd=tmp_path, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
@@ -289,7 +299,7 @@ def test_two_sweep_commands_share_a_postgresql_study_each_grid_point_once_with_t
 # ----------------------------------------------------------------------------- losing the server
 
 
-def test_unreachable_server_fails_fit_and_sweep_at_once_naming_the_uri(corpus, tmp_path, monkeypatch):
+def test_unreachable_server_fails_fit_and_sweep_at_once_naming_the_uri(stdlib_corpus, tmp_path, monkeypatch):
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.chdir(tmp_path)
@@ -300,7 +310,7 @@ def test_unreachable_server_fails_fit_and_sweep_at_once_naming_the_uri(corpus, t
     assert time.perf_counter() - start < 5
     assert not (tmp_path / "data").exists() and not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
 
-    path = sweep_file(tmp_path, corpus, "down", f"sqlite:///{tmp_path / 'sweeps.db'}", "down")
+    path = sweep_file(tmp_path, stdlib_corpus, "down", f"sqlite:///{tmp_path / 'sweeps.db'}", "down")
     start = time.perf_counter()
     with pytest.raises(TrackingUnavailable, match=re.escape(uri)):
         main(["sweep", "run", "--config", str(path)])
@@ -308,7 +318,7 @@ def test_unreachable_server_fails_fit_and_sweep_at_once_naming_the_uri(corpus, t
     assert not (tmp_path / "sweeps.db").exists() and not (tmp_path / "runs").exists()
 
 
-def test_server_killed_mid_run_training_finishes_and_reports_the_loss(corpus, tmp_path, monkeypatch, capsys):
+def test_server_killed_mid_run_training_finishes_and_reports_the_loss(stdlib_corpus, tmp_path, monkeypatch, capsys):
     dying = Server(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "server")
     try:
         monkeypatch.setenv("MLFLOW_TRACKING_URI", dying.uri)
@@ -324,7 +334,7 @@ def test_server_killed_mid_run_training_finishes_and_reports_the_loss(corpus, tm
 
         monkeypatch.setattr(LitLM, "on_validation_end", kill_after_the_first_validation)
         start = time.perf_counter()
-        main(fit_args(corpus, tmp_path, "dies"))
+        main(fit_args(stdlib_corpus, tmp_path, "dies"))
         elapsed = time.perf_counter() - start
     finally:
         dying.stop()
@@ -347,14 +357,14 @@ def test_server_killed_mid_run_training_finishes_and_reports_the_loss(corpus, tm
 # ----------------------------------------------------------------------------- resuming
 
 
-def test_resumed_fit_continues_its_mlflow_run(server, corpus, tmp_path, monkeypatch, capsys):
+def test_resumed_fit_continues_its_mlflow_run(server, stdlib_corpus, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
     monkeypatch.chdir(tmp_path)
-    main(fit_args(corpus, tmp_path, "resume", "--trainer.max_steps", "3"))
+    main(fit_args(stdlib_corpus, tmp_path, "resume", "--trainer.max_steps", "3"))
     (first,) = (tmp_path / "runs").rglob("last.ckpt")
     before = first.read_bytes()
     # more steps, and a changed data argument: MLflow keeps a param's first value, and says so
-    main(fit_args(corpus, tmp_path, "resume", "--ckpt_path", str(first), "--data.prepare_if_missing", "false"))
+    main(fit_args(stdlib_corpus, tmp_path, "resume", "--ckpt_path", str(first), "--data.prepare_if_missing", "false"))
     assert "keeps its first value of prepare_if_missing" in capsys.readouterr().err
 
     (run,) = runs(server.uri, "resume")
