@@ -52,6 +52,7 @@ __all__ = ["EOS_TOKEN", "MANIFEST_NAME", "TOKENIZER_NAME", "TokenDataModule", "p
 
 EOS_TOKEN = "<|endoftext|>"
 MANIFEST_NAME = "manifest.json"
+DEFAULT_DATA_DIR = "data/stdlib"  # where fit builds the default corpus by itself (relative to the current folder)
 TOKENIZER_NAME = "tokenizer.json"
 SPLITS = ("train", "val")
 FORMAT = "lit-mhar-tokens/1"
@@ -738,7 +739,7 @@ class TokenDataModule(L.LightningDataModule):
         batch_size: int = 16,
         num_workers: int = 0,
         seed: int = 42,
-        prepare_if_missing: bool = True,
+        prepare_if_missing: Optional[bool] = None,
     ) -> None:
         """Reads the manifest (preparing the stdlib corpus first if allowed and needed).
 
@@ -750,7 +751,11 @@ class TokenDataModule(L.LightningDataModule):
             seed: Seed of the train shuffle.
             prepare_if_missing: If data_dir does not exist, build the default stdlib corpus there
                 (``lit-mhar prepare --output_dir DATA_DIR``), under a file lock so concurrent
-                processes prepare it once. Other corpora must be prepared explicitly.
+                processes prepare it once. None (the default): only when data_dir is the default
+                ``data/stdlib`` of the current folder, so a mistyped path is an error rather than a
+                new stdlib corpus; True: at any data_dir; False: never. Other corpora must be
+                prepared explicitly. The data_dir stored in the hyperparameters (and so in
+                checkpoints) is absolute, so tools that read it (generate, probe) work from any folder.
 
         Raises:
             ValueError: a non-positive seq_len / batch_size, or a negative num_workers.
@@ -762,8 +767,9 @@ class TokenDataModule(L.LightningDataModule):
         for name, value, low in sizes:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        data_dir = str(Path(data_dir).expanduser().absolute())  # recorded absolute by save_hyperparameters
         self.save_hyperparameters()
-        self.data_dir = Path(data_dir).expanduser().absolute()
+        self.data_dir = Path(data_dir)
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -772,9 +778,16 @@ class TokenDataModule(L.LightningDataModule):
         self.vocab_size: int = int(self.manifest["vocab_size"])
         self.eos_id: int = int(self.manifest["eos_id"])
 
-    def _ensure_dataset(self, prepare_if_missing: bool) -> dict[str, Any]:
+    def _ensure_dataset(self, prepare_if_missing: Optional[bool]) -> dict[str, Any]:
         if (self.data_dir / MANIFEST_NAME).is_file():
             return read_manifest(self.data_dir)
+        if prepare_if_missing is None:
+            prepare_if_missing = self.data_dir == Path(DEFAULT_DATA_DIR).absolute()
+            if not prepare_if_missing:
+                self._raise_missing(
+                    f"\n(fit builds the default corpus by itself only at {DEFAULT_DATA_DIR}; "
+                    "--data.prepare_if_missing true builds it at this path)"
+                )
         if not prepare_if_missing:
             self._raise_missing()
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -787,16 +800,18 @@ class TokenDataModule(L.LightningDataModule):
                 prepare(output_dir=str(self.data_dir))
         return read_manifest(self.data_dir)
 
-    def _raise_missing(self) -> None:
+    def _raise_missing(self, note: str = "") -> None:
         command = f"lit-mhar prepare --output_dir {self.data_dir}"
         if self.data_dir.exists():
             raise FileNotFoundError(
-                f"{self.data_dir} exists but has no {MANIFEST_NAME}, so it is not a complete dataset. "
-                f"Rebuild it with:\n  {command} --overwrite true\n(add --source files --files ... for your own text)"
+                f"{self.data_dir} exists but has no {MANIFEST_NAME}, so it is not a dataset written by lit-mhar prepare. "
+                f"If it holds your text, prepare a dataset from it into a new folder:\n"
+                f"  lit-mhar prepare --output_dir {self.data_dir}_data --source files --files '[\"{self.data_dir}/*.txt\"]'\n"
+                f"If it is a dataset whose preparation was interrupted, rebuild it:\n  {command} --overwrite true"
             )
         raise FileNotFoundError(
             f"No dataset at {self.data_dir}. Create it with:\n  {command}\n"
-            f"or, from your own text:\n  {command} --source files --files '[\"corpus/*.jsonl\"]'"
+            f"or, from your own text:\n  {command} --source files --files '[\"corpus/*.jsonl\"]'{note}"
         )
 
     def _dataset(self, split: str, shuffle: bool, drop_last: Optional[bool]) -> StreamingDataset:

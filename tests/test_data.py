@@ -442,9 +442,10 @@ def test_missing_dataset_is_prepared_once_by_concurrent_modules(dataset, tmp_pat
         return Path(output_dir)
 
     monkeypatch.setattr(data, "prepare", fake_prepare)
+    monkeypatch.chdir(tmp_path)  # the default data/stdlib of this folder: prepared without being asked
     target = tmp_path / "data" / "stdlib"
     modules: list[TokenDataModule] = []
-    threads = [threading.Thread(target=lambda: modules.append(TokenDataModule(str(target)))) for _ in range(2)]
+    threads = [threading.Thread(target=lambda: modules.append(TokenDataModule("data/stdlib"))) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -452,6 +453,16 @@ def test_missing_dataset_is_prepared_once_by_concurrent_modules(dataset, tmp_pat
     assert calls == [str(target)]
     assert [m.vocab_size for m in modules] == [VOCAB, VOCAB]
     assert (tmp_path / "data" / "stdlib.lock").exists()
+    assert [m.hparams.data_dir for m in modules] == [str(target)] * 2  # absolute in checkpoints: usable from any folder
+
+
+def test_a_missing_dataset_elsewhere_is_not_prepared_unless_asked(dataset, tmp_path, monkeypatch):
+    """A mistyped --data.data_dir must not silently become a new stdlib corpus there."""
+    monkeypatch.setattr(data, "prepare", lambda output_dir: pytest.fail(f"prepared {output_dir}"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"(?s)No dataset at .*data/mine.*only at data/stdlib.*--data\.prepare_if_missing true"):
+        TokenDataModule("data/mine")
+    assert not (tmp_path / "data").exists()
 
 
 @pytest.mark.parametrize(
@@ -469,7 +480,7 @@ def test_too_long_seq_len_is_a_clear_error(dataset):
 
 @pytest.mark.slow
 def test_default_datamodule_prepares_the_stdlib_corpus(tmp_path):
-    dm = TokenDataModule(str(tmp_path / "stdlib"), seq_len=128, batch_size=2)
+    dm = TokenDataModule(str(tmp_path / "stdlib"), seq_len=128, batch_size=2, prepare_if_missing=True)
     manifest = read_manifest(tmp_path / "stdlib")
     _, sources = data._stdlib_sources()
     assert manifest["source"] == "stdlib" and dm.vocab_size == manifest["vocab_size"] == 8192

@@ -369,7 +369,7 @@ def test_resumed_fit_continues_its_mlflow_run(server, stdlib_corpus, tmp_path, m
 
     (run,) = runs(server.uri, "resume")
     run_id = run["info"]["run_id"]
-    assert run["info"]["status"] == "FINISHED" and run["params"]["prepare_if_missing"] == "True"
+    assert run["info"]["status"] == "FINISHED" and run["params"]["prepare_if_missing"] == "None"
     assert [step for step, _ in history(server.uri, run_id, "train/loss")] == [0, 1, 2, 3, 4, 5]  # both fits
     assert len(history(server.uri, run_id, "val/loss")) == 2
     (resumed,) = [p for p in (tmp_path / "runs").rglob("last.ckpt") if p != first]
