@@ -101,6 +101,71 @@ class MLflowSaveConfig(SaveConfigCallback):
                     logger.untracked_dir = run_dir
 
 
+_GPU_ACCELERATORS = ("gpu", "cuda")
+
+
+def _device_count(devices: Any) -> Optional[int]:
+    """The number of devices ``trainer.devices`` asks for; None for ``auto``/-1 or anything not a fixed count."""
+    if isinstance(devices, bool):
+        return None
+    if isinstance(devices, int):
+        return devices if devices > 0 else None
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text.lstrip("-").isdigit():
+            return int(text) if int(text) > 0 else None
+        if "," in text:
+            return len([d for d in text.split(",") if d.strip()])
+    return None
+
+
+def check_accelerator(accelerator: Any, devices: Any = None) -> None:
+    """Raises ValueError when ``trainer.accelerator`` asks for CUDA GPUs this machine does not have.
+
+    ``accelerator`` ``gpu``/``cuda`` with ``torch.cuda.is_available()`` False, or a fixed ``devices``
+    count above ``torch.cuda.device_count()``. Anything else (``auto``, ``cpu``, an object) passes.
+    Used by the fit CLI before any data or model work, and by ``lit-mhar sweep run`` before any trial.
+    """
+    if not isinstance(accelerator, str) or accelerator.strip().lower() not in _GPU_ACCELERATORS:
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"trainer.accelerator={accelerator!r} but no CUDA GPU is available on this machine "
+            "(torch.cuda.is_available() is False); to train on the CPU pass --trainer.accelerator cpu "
+            "with a smaller config, e.g. --config configs/debug.yaml"
+        )
+    wanted, available = _device_count(devices), torch.cuda.device_count()
+    if wanted is not None and wanted > available:
+        raise ValueError(
+            f"trainer.devices={devices!r} asks for {wanted} GPU(s) but {available} is/are visible; "
+            f"pass --trainer.devices {available} (or fewer)"
+        )
+
+
+def _is_special_ckpt_path(ckpt_path: str) -> bool:
+    """Whether Lightning resolves ``ckpt_path`` itself: ``last``, ``best``, ``hpc``, ``registry[:...]``, or a URL."""
+    text = ckpt_path.strip()
+    if text in ("last", "best", "hpc") or "://" in text:
+        return True
+    return text.lower() == "registry" or text.lower().startswith("registry:")
+
+
+def check_ckpt_path(ckpt_path: Any) -> None:
+    """Raises FileNotFoundError when ``--ckpt_path`` names a local file that does not exist."""
+    if not ckpt_path or not isinstance(ckpt_path, (str, os.PathLike)):
+        return
+    text = os.fspath(ckpt_path)
+    if _is_special_ckpt_path(text):
+        return
+    if not Path(text).expanduser().is_file():
+        raise FileNotFoundError(
+            f"ckpt_path={text!r} does not exist (or is not a file); give a checkpoint file "
+            "(runs/<experiment id>/<run id>/checkpoints/last.ckpt) or one of last, best, hpc"
+        )
+
+
 def utc_stamp() -> str:
     """The current UTC time as ``20261130T070312Z``."""
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -142,6 +207,8 @@ class LitMharCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        check_accelerator(config.get("trainer.accelerator"), config.get("trainer.devices"))
+        check_ckpt_path(config.get("ckpt_path"))
         init = _mlflow_init_args(config)
         if init is None:
             return
@@ -186,6 +253,14 @@ class LitMharCLI(LightningCLI):
         if isinstance(self.save_config_callback, type) and issubclass(self.save_config_callback, MLflowSaveConfig):
             self.save_config_kwargs["segment"] = segment
 
+    def after_fit(self) -> None:
+        """Says where the fit saved its results (global rank 0): the MLflow run and the checkpoint folder."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None or not trainer.is_global_zero:
+            return
+        for line in saved_lines(trainer):
+            print(f"[lit-mhar] {line}", flush=True)
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # Known only once the data is prepared: the tokenizer's vocabulary and the sequence length.
         parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
@@ -216,6 +291,28 @@ class LitMharCLI(LightningCLI):
 
             kwargs["strategy"] = fsdp_strategy()
         return super().instantiate_trainer(**kwargs)
+
+
+def saved_lines(trainer: L.Trainer) -> list[str]:
+    """One line per place a finished fit saved something: its MLflow run, its checkpoints."""
+    lines = []
+    for logger in trainer.loggers:
+        if isinstance(logger, MLFlowLogger):
+            run_id = getattr(logger, "_run_id", None)
+            if run_id is None:
+                continue
+            experiment = getattr(logger, "_experiment_name", None)
+            experiment_id = getattr(logger, "_experiment_id", None)
+            where = f"experiment {experiment!r} (id {experiment_id})" if experiment_id is not None else f"experiment {experiment!r}"
+            uri = redact(str(getattr(logger, "_tracking_uri", None) or tracking_uri()))
+            lines.append(f"MLflow run {run_id} in {where} at {uri}")
+    callback = trainer.checkpoint_callback
+    dirpath = getattr(callback, "dirpath", None)
+    if dirpath:
+        paths = [("last", getattr(callback, "last_model_path", "")), ("best", getattr(callback, "best_model_path", ""))]
+        named = "; ".join(f"{name}: {path}" for name, path in paths if path)
+        lines.append(f"checkpoints in {dirpath}" + (f" ({named})" if named else " (none saved)"))
+    return lines
 
 
 def run_lightning(args: Optional[list[str]] = None) -> LitMharCLI:

@@ -189,3 +189,74 @@ def test_the_console_script_prints_no_traceback(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "lit-mhar probe: error: checkpoint 'no.ckpt' does not exist (or is not a file) (LIT_MHAR_DEBUG=1 shows the traceback)"
     ]
+
+
+# ----------------------------------------------------------------------------- checks before anything is created, and where a fit saved
+
+
+def test_gpu_config_without_cuda_is_a_user_error_before_anything_is_created(tmp_path, monkeypatch, capsys):
+    """All 20m+ configs set trainer.accelerator: gpu; on a machine without CUDA: one line, exit 2, no run, no folder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", "fit", "--config", str(ROOT / "configs" / "100m" / "mhar.yaml"),
+                                      "--data.data_dir", str(tmp_path / "data")])
+    assert main() == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = error_lines(err)
+    assert line.startswith("lit-mhar fit: error: trainer.accelerator='gpu' but no CUDA GPU is available")
+    assert "--trainer.accelerator cpu" in line and "configs/debug.yaml" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no dataset, no mlflow.db, no runs/
+
+
+def test_check_accelerator_passes_cpu_and_auto_and_counts_gpus(monkeypatch):
+    from lit_mhar.cli.lightning import check_accelerator
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for accelerator in ("cpu", "auto", None):
+        check_accelerator(accelerator, 1)
+    for accelerator in ("gpu", "cuda", "GPU"):
+        with pytest.raises(ValueError, match="no CUDA GPU is available"):
+            check_accelerator(accelerator, 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_accelerator("gpu", 1)
+    check_accelerator("gpu", "auto")
+    check_accelerator("gpu", -1)
+    with pytest.raises(ValueError, match="asks for 2 GPU"):
+        check_accelerator("gpu", 2)
+    with pytest.raises(ValueError, match="asks for 2 GPU"):
+        check_accelerator("gpu", "0,1")
+
+
+def test_missing_ckpt_path_fails_before_the_logger_and_run_folder_exist(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    args = fit_args(tmp_path / "data", tmp_path, "--ckpt_path", str(tmp_path / "nope.ckpt"))
+    with pytest.raises(FileNotFoundError, match="nope.ckpt"):
+        main(args)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "data").exists()
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", *args])
+    assert main() == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"lit-mhar fit: error: ckpt_path='{tmp_path / 'nope.ckpt'}' does not exist (or is not a file); give a checkpoint file "
+        "(runs/<experiment id>/<run id>/checkpoints/last.ckpt) or one of last, best, hpc (LIT_MHAR_DEBUG=1 shows the traceback)"
+    ]
+    from lit_mhar.cli.lightning import check_ckpt_path
+
+    for special in ("last", "best", "hpc", "registry", "registry:model:v1", "s3://bucket/x.ckpt", None, ""):
+        check_ckpt_path(special)  # Lightning resolves these itself
+
+
+def test_fit_says_where_it_saved_the_run_and_checkpoints(small_corpus, tmp_path, capsys):
+    main(fit_args(small_corpus, tmp_path, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+                  "--trainer.logger.init_args.tracking_uri", f"sqlite:///{tmp_path / 'mlflow.db'}"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[lit-mhar] ")]
+    from mlflow import MlflowClient
+
+    (run,) = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(
+        [MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_experiment_by_name("lit-mhar").experiment_id])
+    checkpoints = tmp_path / "runs" / run.info.experiment_id / run.info.run_id / "checkpoints"
+    assert lines[0] == f"[lit-mhar] MLflow run {run.info.run_id} in experiment 'lit-mhar' (id {run.info.experiment_id}) at sqlite:///{tmp_path / 'mlflow.db'}"
+    assert lines[1].startswith(f"[lit-mhar] checkpoints in {checkpoints} (last: {checkpoints / 'last.ckpt'}; best: {checkpoints}")
+    assert (checkpoints / "last.ckpt").is_file()
