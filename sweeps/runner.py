@@ -873,6 +873,22 @@ def _exit_status(study: Any, ctx: Context) -> int:
     return 1
 
 
+def _close_parent(client: Any, parent_id: str, status: str, study: Any) -> str:
+    """Ends the MLflow parent run with ``status`` and an end time; FAILED when ``status`` is FINISHED but no trial
+    completed (the command exits 1). RUNNING (other workers still at it) only sets the status. Returns the status set."""
+    import optuna
+
+    trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(ATTR + "surplus")]
+    if status == "FINISHED" and not any(t.state == optuna.trial.TrialState.COMPLETE for t in trials):
+        status = "FAILED"
+    with contextlib.suppress(Exception):
+        if status == "RUNNING":
+            client.update_run(parent_id, status=status)
+        else:
+            client.set_terminated(parent_id, status=status, end_time=int(time.time() * 1000))
+    return status
+
+
 def run(
     study: str,
     space: Union[dict[str, Any], list[dict[str, Any]]],
@@ -998,9 +1014,13 @@ def run(
     representatives = _representatives(parsed, grid, merged)
     say(study, f"checking the fit config of {len(representatives)} representative point(s)")
     resolved_configs = []
+    from lit_mhar.cli.lightning import check_accelerator
+
     for point in representatives:
         try:
             resolved_configs.append(resolve_fit_config(compose_trial_config(merged, per_scale, point)))
+            trainer = resolved_configs[-1].get("trainer") or {}
+            check_accelerator(trainer.get("accelerator"), trainer.get("devices"))  # gpu on a machine without one
             token_budget(objective, resolved_configs[-1])
         except ValueError as e:
             raise ValueError(f"point {json.dumps(point)}: {e}") from None
@@ -1054,8 +1074,7 @@ def run(
         unfinished = final.get_trials(deepcopy=False, states=(S.RUNNING, S.WAITING))
         if status == "FINISHED" and unfinished:
             status = "RUNNING"  # other workers are still at it
-        with contextlib.suppress(Exception):
-            client.update_run(parent_id, status=status)
+        _close_parent(client, parent_id, status, final)
         say(study, _summary(final, ctx))
     return _exit_status(final, ctx)
 

@@ -492,3 +492,46 @@ def test_sweep_exit_status_is_0_once_any_trial_completed(tmp_path, capsys):
     study.add_trial(optuna.trial.create_trial(state=S.COMPLETE, value=3.0))
     assert _exit_status(study, ctx) == 0
     assert capsys.readouterr().err == ""
+
+
+# ----------------------------------------------------------------------------- GPU configs without a GPU, the parent run's end
+
+
+def test_gpu_config_without_cuda_stops_the_sweep_before_the_study_exists(tmp_path, stdlib_corpus, monkeypatch):
+    """The fit CLI refuses trainer.accelerator: gpu without CUDA; so does the sweep's check of its points, not each trial."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = write_sweep(tmp_path, stdlib_corpus, "nogpu", {"residual": ["prenorm", "attnres"]})
+    sweep = yaml.safe_load(path.read_text())
+    sweep["base"]["trainer"]["accelerator"] = "gpu"
+    path.write_text(yaml.safe_dump(sweep, sort_keys=False))
+    with pytest.raises(ValueError, match=r"point .*trainer.accelerator='gpu' but no CUDA GPU is available.*--trainer.accelerator cpu"):
+        main(["sweep", "run", "--config", str(path)])
+    assert "nogpu" not in optuna.get_all_study_names(open_storage(f"sqlite:///{tmp_path / 'sweeps.db'}"))
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "runs").exists()
+
+
+def test_parent_run_gets_an_end_time_and_fails_when_no_trial_completed(tmp_path, stdlib_corpus, monkeypatch, capsys):
+    """Every trial FAILs (H = 3 does not divide d = 32, before any fit starts): exit 1 and the parent run FAILED, ended."""
+    from lit_mhar.sweeps.runner import _close_parent
+
+    monkeypatch.chdir(tmp_path)
+    path = write_sweep(tmp_path, stdlib_corpus, "ended", {"residual": ["attnres"], "heads": [3]})
+    before = int(time.time() * 1000)
+    assert main(["sweep", "run", "--config", str(path)]) == 1
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("sweeps-test").experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("lit_mhar.sweep") == "parent"]
+    assert parent.info.status == "FAILED" and parent.info.end_time is not None and parent.info.end_time >= before
+
+    # a study with a COMPLETE trial ends FINISHED; KILLED stays KILLED; RUNNING (other workers) has no end time yet
+    study = optuna.create_study()
+    study.add_trial(optuna.trial.create_trial(state=S.FAIL))
+    study.add_trial(optuna.trial.create_trial(state=S.COMPLETE, value=1.0))
+    for status in ("FINISHED", "KILLED", "RUNNING"):
+        run_id = client.create_run(parent.info.experiment_id).info.run_id
+        assert _close_parent(client, run_id, status, study) == status
+        info = client.get_run(run_id).info
+        assert info.status == status and (info.end_time is None) == (status == "RUNNING")
