@@ -1084,8 +1084,13 @@ def _prepare_data(ctx: Context, resolved_configs: list[dict[str, Any]]) -> None:
     seen = set()
     for resolved in resolved_configs:
         data = resolved["data"]
+        from lit_mhar.data import DEFAULT_DATA_DIR
+
         directory = Path(data["data_dir"]).expanduser().absolute()
-        if directory in seen or (directory / "manifest.json").is_file() or not data.get("prepare_if_missing", True):
+        prepare_here = data.get("prepare_if_missing")
+        if prepare_here is None:  # TokenDataModule's rule: by itself only at the default data/stdlib
+            prepare_here = directory == Path(DEFAULT_DATA_DIR).absolute()
+        if directory in seen or (directory / "manifest.json").is_file() or not prepare_here:
             seen.add(directory)
             continue
         seen.add(directory)

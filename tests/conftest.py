@@ -3,7 +3,13 @@
 import sysconfig
 from pathlib import Path
 
+import lightning  # noqa: F401  (see below)
 import pytest
+
+# Lightning adds a StreamHandler bound to the sys.stderr of the moment it is first imported. Imported
+# here, at collection, that is the session's stream; first imported inside a test that captures
+# output (capsys), it would be that test's stream, closed afterwards, and every later Lightning log
+# line ("Seed set to ...") would print a "--- Logging error ---" traceback into other tests' output.
 
 
 @pytest.fixture(scope="session")
