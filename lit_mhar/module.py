@@ -168,15 +168,22 @@ class LitLM(L.LightningModule):
         if batch.is_cuda:
             torch.cuda.synchronize(batch.device)
         now = time.perf_counter()
+        perf: dict[str, float] = {}
         if self._window_start is not None:
             tokens_per_s = self._window_tokens * self.trainer.world_size / (now - self._window_start)
-            self.log("perf/tokens_per_s", tokens_per_s)
+            perf["perf/tokens_per_s"] = tokens_per_s
             peak = peak_flops(batch.device)
             if peak:
                 per_device = tokens_per_s / self.trainer.world_size
-                self.log("perf/mfu", self.model.flops_per_token(batch.shape[1] - 1) * per_device / peak)
+                perf["perf/mfu"] = self.model.flops_per_token(batch.shape[1] - 1) * per_device / peak
         if batch.is_cuda:
-            self.log("perf/peak_memory_gb", torch.cuda.max_memory_allocated(batch.device) / 2**30)
+            perf["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated(batch.device) / 2**30
+        if perf:
+            # Straight to the loggers, once per window: a value given to self.log would be sent again at
+            # every later logging step until the next window ends. Step numbering as Lightning's for
+            # train metrics (the index of this optimizer step). The loggers write on rank 0 only.
+            for logger in self.loggers:
+                logger.log_metrics(perf, step=max(self.global_step - 1, 0))
         self._window_start, self._window_tokens, self._window_batches = now, 0, 0
 
     def on_validation_end(self) -> None:

@@ -98,3 +98,25 @@ def test_checkpoint_records_the_mlflow_run_on_rank_zero_only(global_zero, tmp_pa
         assert checkpoint["mlflow"]["run_id"] == run_id and checkpoint["mlflow"]["tracking_uri"].startswith("sqlite:////")
     else:
         assert "mlflow" not in checkpoint
+
+
+def test_throughput_is_logged_once_per_window_never_repeated(tmp_path):
+    """perf/tokens_per_s is measured over windows of log_every_n_steps batches that validation restarts;
+    each window's value must reach the logger once, at the step it was measured, not again at a later
+    logging step (Lightning re-sends the last value logged with self.log at every logging step)."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    torch.manual_seed(0)
+    m = LitLM(ModelConfig.from_name("debug", n_layer=1, d_model=32, n_head=2, n_kv_head=1, ffn_dim=32, vocab_size=64, seq_len=16), warmup_steps=1)
+    rows = torch.randint(0, 64, (64, 17))
+    loader = torch.utils.data.DataLoader(rows, batch_size=2)
+    trainer = L.Trainer(max_steps=14, log_every_n_steps=2, val_check_interval=5, limit_val_batches=1, logger=CSVLogger(tmp_path),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(m, loader, loader)
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        logged = [(int(r["step"]), float(r["perf/tokens_per_s"])) for r in csv.DictReader(f) if r.get("perf/tokens_per_s")]
+    assert len(logged) >= 3, logged
+    values = [v for _, v in logged]
+    assert len(set(values)) == len(values), f"a window's throughput was logged more than once: {logged}"
