@@ -158,6 +158,13 @@ class LitLM(L.LightningModule):
             self._log_routing(batch[:, :-1])
         return loss
 
+    def on_fit_start(self) -> None:
+        # The hyperparameters hold the config as given (a preset name, overrides, None for preset
+        # fields); runs are compared on the model they trained: every resolved field, model/<field>.
+        resolved = {f"model/{k}": v for k, v in self.config.to_dict().items()}
+        for logger in self.loggers:
+            logger.log_hyperparams(resolved)
+
     def on_train_batch_end(self, outputs: Any, batch: Tensor, batch_idx: int) -> None:
         # Throughput over windows of log_every_n_steps optimizer steps, synchronising only at window
         # ends so the GPU queue is not drained every step; validation restarts the window.

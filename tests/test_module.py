@@ -120,3 +120,21 @@ def test_throughput_is_logged_once_per_window_never_repeated(tmp_path):
     assert len(logged) >= 3, logged
     values = [v for _, v in logged]
     assert len(set(values)) == len(values), f"a window's throughput was logged more than once: {logged}"
+
+
+def test_the_resolved_model_shape_is_logged_as_hyperparameters(tmp_path):
+    """Preset fields are None in the hyperparameters as given; runs must show the shape they trained."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    m = LitLM(ModelConfig.from_name("debug", residual="attnres", heads=2, vocab_size=64, seq_len=16))
+    loader = torch.utils.data.DataLoader(torch.randint(0, 64, (4, 17)), batch_size=2)
+    trainer = L.Trainer(max_steps=1, logger=CSVLogger(tmp_path), enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(m, loader)
+    import yaml
+
+    logged = yaml.unsafe_load(next(tmp_path.rglob("hparams.yaml")).read_text())  # CSVLogger writes tuples as python/tuple
+    assert logged["model/d_model"] == m.config.d_model and logged["model/n_layer"] == m.config.n_layer
+    assert logged["model/heads"] == 2 and logged["model/residual"] == "attnres" and logged["model/vocab_size"] == 64
