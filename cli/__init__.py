@@ -110,8 +110,9 @@ def _message(error: BaseException) -> str:
 def main(args: Optional[list[str]] = None) -> int:
     """Entry point of ``lit-mhar``; ``args`` defaults to ``sys.argv[1:]``. Returns the exit status.
 
-    Exit status: 0 on success; 2 for a usage or user error; what a command's function returns
-    when that is an int (``sweep run``: 1 when the study holds no completed trial).
+    Exit status: 0 on success; 2 for a usage or user error; 130 when interrupted (Ctrl-C, or SIGTERM
+    to ``sweep run``: one line, no traceback); what a command's function returns when that is an int
+    (``sweep run``: 1 when the study holds no completed trial).
 
     Errors. Run as the command (``args`` is None: the ``lit-mhar`` console script, ``python -m
     lit_mhar.cli``), an error that is the user's to fix prints one line, ``lit-mhar CMD: error:
@@ -159,6 +160,12 @@ def main(args: Optional[list[str]] = None) -> int:
             command += f" {rest[0]}"  # the subcommand: lit-mhar sweep run
         result = CLI(function, args=rest, prog=f"lit-mhar {verb}", as_positional=False)
         return result if isinstance(result, int) and not isinstance(result, bool) else 0
+    except KeyboardInterrupt:
+        # Ctrl-C, or SIGTERM in lit-mhar sweep run (which has already said how to resume): one line, 130
+        if args is not None or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 130
     except Exception as error:
         if args is not None or os.environ.get(DEBUG_ENV, "") not in ("", "0") or not is_user_error(error):
             raise

@@ -176,6 +176,22 @@ def test_internal_errors_keep_their_traceback(raise_, error, monkeypatch):
         main()
 
 
+def test_interrupted_command_prints_one_line_and_exits_130(monkeypatch, capsys):
+    from lit_mhar import cli
+
+    def interrupted(steps: int = 1) -> None:
+        """A command stopped by Ctrl-C (or by SIGTERM, which sweep run turns into KeyboardInterrupt)."""
+        raise KeyboardInterrupt("signal SIGTERM")
+
+    monkeypatch.setitem(cli.FUNCTION_VERBS, "probe", (lambda: interrupted, "stops"))
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", "probe"])
+    assert main() == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "lit-mhar probe: interrupted"
+    with pytest.raises(KeyboardInterrupt):
+        main(["probe"])  # called from Python: it propagates
+
+
 def test_called_from_python_errors_propagate(tmp_path):
     with pytest.raises(FileNotFoundError, match="no.ckpt"):
         main(["probe", "--checkpoint", str(tmp_path / "no.ckpt"), "--data_dir", str(tmp_path), "--output_dir", str(tmp_path / "p")])
