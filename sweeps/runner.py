@@ -151,8 +151,9 @@ def open_storage(url: str, heartbeat_interval: Optional[int] = None, grace_perio
         finally:
             lock.release()
     except Exception as e:  # noqa: BLE001 - any failure to open is reported with the URL
+        detail = " ".join(str(e).split())  # drivers' messages span lines: one line for the CLI's error
         raise ValueError(
-            f"storage {redact(url)!r} is unreachable ({type(e).__name__}: {e}). Valid: an RDB URL such as "
+            f"storage {redact(url)!r} is unreachable ({type(e).__name__}: {detail}). Valid: an RDB URL such as "
             "sqlite:///sweeps.db or postgresql://user:password@host/db (with its driver installed), or journal:PATH"
         ) from None
 
