@@ -22,8 +22,8 @@ found beside the checkpoint (``lit-mhar convert`` writes it there), or in the da
 incrementally (``tokenizers.decoders.DecodeStream``), so a character split over several byte-level
 BPE tokens is printed once it is complete.
 
-This module imports only torch and lit-mhar's model at import time (the benchmark imports it on
-machines without the training stack); the tokenizer and checkpoint reader are imported on use.
+This module imports only torch and lit-mhar's model at import time (not litdata or Lightning, which
+lit_mhar.data would bring); the tokenizer and checkpoint reader are imported on use.
 """
 
 from __future__ import annotations
