@@ -122,12 +122,13 @@ def main(args: Optional[list[str]] = None) -> int:
     * ``FileNotFoundError`` and ``FileExistsError``: a path given that does not exist or would be
       overwritten (checkpoints, datasets, output folders; raised by lit-mhar, Lightning or litdata);
     * ``ValueError`` raised by lit-mhar's own code, which validates every argument and config
-      value (``ModelConfig``, the data, sweep files) with a message naming the field and what is
-      valid; this includes classes that LightningCLI instantiates for fit/validate/test/predict;
+      value (``ModelConfig``, the data, sweep files) and the shapes of the tensors given to its
+      functions (the routing kernels' checks) with a message naming the value and what is valid;
+      this includes classes that LightningCLI instantiates for fit/validate/test/predict;
     * ``lit_mhar.tracking.TrackingUnavailable``: the MLflow server given cannot be reached.
 
     Everything else keeps its traceback: a ``ValueError`` raised inside torch or another library
-    (a shape mismatch during training is a lit-mhar bug, not a bad argument), ``RuntimeError``
+    (a shape mismatch deep inside torch is a bug, not a bad argument), ``RuntimeError``
     (CUDA errors, out of memory), ``TypeError``, ``KeyError``, ``KeyboardInterrupt``. Argument
     parsing errors are jsonargparse's: a usage message and exit 2 (``SystemExit``), as before.
 

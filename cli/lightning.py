@@ -159,7 +159,7 @@ def check_ckpt_path(ckpt_path: Any) -> None:
     text = os.fspath(ckpt_path)
     if _is_special_ckpt_path(text):
         return
-    if not Path(text).expanduser().is_file():
+    if not Path(text).is_file():  # as Lightning reads it (no ~ expansion)
         raise FileNotFoundError(
             f"ckpt_path={text!r} does not exist (or is not a file); give a checkpoint file "
             "(runs/<experiment id>/<run id>/checkpoints/last.ckpt) or one of last, best, hpc"

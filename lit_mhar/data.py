@@ -533,7 +533,7 @@ def _versions() -> dict[str, str]:
 
 
 def prepare(
-    output_dir: str = "data/stdlib",
+    output_dir: str = DEFAULT_DATA_DIR,
     source: Literal["stdlib", "files"] = "stdlib",
     files: Optional[list[str]] = None,
     text_field: str = "text",
@@ -664,6 +664,14 @@ def prepare(
     return out
 
 
+def prepares_by_itself(data_dir: str | os.PathLike, prepare_if_missing: Optional[bool]) -> bool:
+    """Whether a missing dataset at ``data_dir`` is built as the stdlib corpus without asking (see
+    :class:`TokenDataModule`): ``prepare_if_missing`` when given, else only at the default ``data/stdlib``."""
+    if prepare_if_missing is not None:
+        return bool(prepare_if_missing)
+    return Path(data_dir).expanduser().absolute() == Path(DEFAULT_DATA_DIR).absolute()
+
+
 def read_manifest(data_dir: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a complete dataset.
 
@@ -734,7 +742,7 @@ class TokenDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        data_dir: str = "data/stdlib",
+        data_dir: str = DEFAULT_DATA_DIR,
         seq_len: int = 256,
         batch_size: int = 16,
         num_workers: int = 0,
@@ -782,7 +790,7 @@ class TokenDataModule(L.LightningDataModule):
         if (self.data_dir / MANIFEST_NAME).is_file():
             return read_manifest(self.data_dir)
         if prepare_if_missing is None:
-            prepare_if_missing = self.data_dir == Path(DEFAULT_DATA_DIR).absolute()
+            prepare_if_missing = prepares_by_itself(self.data_dir, None)
             if not prepare_if_missing:
                 self._raise_missing(
                     f"\n(fit builds the default corpus by itself only at {DEFAULT_DATA_DIR}; "

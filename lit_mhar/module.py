@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import lightning as L
 import torch
@@ -14,6 +14,9 @@ from torch import Tensor
 from lit_mhar.config import ModelConfig
 from lit_mhar.model import LM
 from lit_mhar.routing import routing_stats
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import FSDPStrategy
 
 # Dense bf16 peak of the GPUs we know, in FLOP/s (vendor datasheets, SXM parts), for MFU.
 PEAK_BF16_FLOPS: dict[str, float] = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
@@ -27,7 +30,7 @@ def peak_flops(device: torch.device) -> Optional[float]:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def fsdp_strategy(**kwargs: Any) -> "lightning.pytorch.strategies.FSDPStrategy":
+def fsdp_strategy(**kwargs: Any) -> FSDPStrategy:
     """Lightning's ``FSDPStrategy`` wrapping every ``Attention`` and every ``MLP`` as its own FSDP unit.
 
     ``lit-mhar fit --trainer.strategy fsdp`` uses it. The 2L sublayer units hold the matmul weights:
@@ -140,6 +143,7 @@ class LitLM(L.LightningModule):
             self.model.compile()
         self._window_start: Optional[float] = None
         self._window_tokens = self._window_batches = 0
+        self._window_shape: tuple[torch.device, int] = (torch.device("cpu"), 0)  # device and sequence length of the last batch
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits ``[B, T, V]`` for token ids ``[B, T]``."""
@@ -167,24 +171,38 @@ class LitLM(L.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Tensor, batch_idx: int) -> None:
         # Throughput over windows of log_every_n_steps optimizer steps, synchronising only at window
-        # ends so the GPU queue is not drained every step; validation restarts the window.
+        # ends so the GPU queue is not drained every step; a validation ends the window early.
         self._window_tokens += batch[:, :-1].numel()
         self._window_batches += 1
-        if self._window_start is not None and self._window_batches < self.trainer.log_every_n_steps * self.trainer.accumulate_grad_batches:
-            return
-        if batch.is_cuda:
-            torch.cuda.synchronize(batch.device)
+        self._window_shape = (batch.device, batch.shape[1] - 1)
+        if self._window_start is None or self._window_batches >= self.trainer.log_every_n_steps * self.trainer.accumulate_grad_batches:
+            self._close_window()
+
+    def on_validation_start(self) -> None:
+        # the batches since the last window end are measured before validation time enters them
+        # (with val_check_interval < log_every_n_steps no full window would ever end)
+        if not self.trainer.sanity_checking and self._window_start is not None and self._window_batches:
+            self._close_window()
+
+    def on_validation_end(self) -> None:
+        self._window_start, self._window_tokens, self._window_batches = None, 0, 0
+
+    def _close_window(self) -> None:
+        """Logs the open window's tokens/s (and MFU, peak memory on GPUs) and starts the next window."""
+        device, seq_len = self._window_shape
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         now = time.perf_counter()
         perf: dict[str, float] = {}
         if self._window_start is not None:
             tokens_per_s = self._window_tokens * self.trainer.world_size / (now - self._window_start)
             perf["perf/tokens_per_s"] = tokens_per_s
-            peak = peak_flops(batch.device)
+            peak = peak_flops(device)
             if peak:
                 per_device = tokens_per_s / self.trainer.world_size
-                perf["perf/mfu"] = self.model.flops_per_token(batch.shape[1] - 1) * per_device / peak
-        if batch.is_cuda:
-            perf["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated(batch.device) / 2**30
+                perf["perf/mfu"] = self.model.flops_per_token(seq_len) * per_device / peak
+        if device.type == "cuda":
+            perf["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         if perf:
             # Straight to the loggers, once per window: a value given to self.log would be sent again at
             # every later logging step until the next window ends. Step numbering as Lightning's for
@@ -192,9 +210,6 @@ class LitLM(L.LightningModule):
             for logger in self.loggers:
                 logger.log_metrics(perf, step=max(self.global_step - 1, 0))
         self._window_start, self._window_tokens, self._window_batches = now, 0, 0
-
-    def on_validation_end(self) -> None:
-        self._window_start, self._window_tokens, self._window_batches = None, 0, 0
 
     @torch.no_grad()
     def _log_routing(self, inputs: Tensor) -> None:

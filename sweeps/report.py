@@ -241,7 +241,8 @@ def report(
     """
     import optuna
 
-    from lit_mhar.sweeps.runner import open_storage, redact
+    from lit_mhar.sweeps.runner import open_storage
+    from lit_mhar.tracking import redact
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     opened = open_storage(storage)

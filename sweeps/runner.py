@@ -55,6 +55,7 @@ from typing import Any, Optional, Union
 import yaml
 from jsonargparse.typing import Path_fr
 
+from lit_mhar.tracking import redact
 from lit_mhar.sweeps.space import (
     Budget,
     Objective,
@@ -101,11 +102,6 @@ def absolute_sqlite(url: str) -> str:
     if not parsed.database or parsed.database == ":memory:":
         raise ValueError(f"storage {url!r} is an in-memory database, which cannot be shared by workers or resumed; use sqlite:///sweeps.db")
     return str(parsed.set(database=str(Path(parsed.database).expanduser().absolute())))
-
-
-def redact(url: str) -> str:
-    """``url`` without its password, for logs and MLflow tags."""
-    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
 
 
 def open_storage(url: str, heartbeat_interval: Optional[int] = None, grace_period: Optional[int] = None) -> Any:
@@ -1085,13 +1081,10 @@ def _prepare_data(ctx: Context, resolved_configs: list[dict[str, Any]]) -> None:
     seen = set()
     for resolved in resolved_configs:
         data = resolved["data"]
-        from lit_mhar.data import DEFAULT_DATA_DIR
+        from lit_mhar.data import prepares_by_itself
 
         directory = Path(data["data_dir"]).expanduser().absolute()
-        prepare_here = data.get("prepare_if_missing")
-        if prepare_here is None:  # TokenDataModule's rule: by itself only at the default data/stdlib
-            prepare_here = directory == Path(DEFAULT_DATA_DIR).absolute()
-        if directory in seen or (directory / "manifest.json").is_file() or not prepare_here:
+        if directory in seen or (directory / "manifest.json").is_file() or not prepares_by_itself(directory, data.get("prepare_if_missing")):
             seen.add(directory)
             continue
         seen.add(directory)

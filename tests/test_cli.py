@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -15,19 +14,6 @@ from lit_mhar.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").rglob("*.yaml"))
-
-
-@pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory) -> Path:
-    """A tiny dataset from a few real stdlib modules, prepared through the CLI."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = [str(stdlib / "json" / name) for name in ("__init__.py", "decoder.py", "encoder.py", "scanner.py", "tool.py")]
-    files += [str(stdlib / name) for name in ("textwrap.py", "shlex.py", "colorsys.py", "bisect.py", "heapq.py")]
-    out = tmp_path_factory.mktemp("corpus") / "data"
-    args = ["prepare", "--output_dir", str(out), "--source", "files", "--vocab_size", "400", "--val_fraction", "0.3", "--chunk_bytes", "64KB", "--files", json.dumps(files)]
-    assert main(args) == 0
-    assert (out / "manifest.json").is_file()
-    return out
 
 
 def fit_args(data: Path, tmp: Path, *extra: str) -> list[str]:

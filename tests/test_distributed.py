@@ -25,7 +25,7 @@ from lit_mhar.cli import main
 from lit_mhar.module import LitLM, fsdp_strategy
 from lit_mhar.routing import RoutingSite
 
-from test_cli import fit_args, small_corpus  # noqa: F401  (the fixture, shared)
+from test_cli import fit_args
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_ROUTED = ["--model.config.residual", "attnres", "--model.config.heads", "2", "--model.config.block_size", "3"]
@@ -51,7 +51,7 @@ def test_fsdp_wraps_every_attention_and_mlp_and_keeps_routing_in_the_root():
     assert strategy.kwargs["use_orig_params"]  # LitLM's parameter groups need the original parameters
 
 
-def test_fit_cli_gives_strategy_fsdp_the_lit_mhar_wrap_policy(small_corpus, tmp_path, monkeypatch):  # noqa: F811
+def test_fit_cli_gives_strategy_fsdp_the_lit_mhar_wrap_policy(small_corpus, tmp_path, monkeypatch):
     from lightning.pytorch.strategies import FSDPStrategy
 
     from lit_mhar.cli.lightning import LitMharCLI
@@ -77,7 +77,7 @@ def test_weight_decay_groups_do_not_depend_on_flattened_parameters():
 
 
 @pytest.mark.slow
-def test_two_process_ddp_fit_on_cpu_logs_one_run_and_resumes_on_one_process(small_corpus, tmp_path):  # noqa: F811
+def test_two_process_ddp_fit_on_cpu_logs_one_run_and_resumes_on_one_process(small_corpus, tmp_path):
     from mlflow import MlflowClient
 
     args = fit_args(small_corpus, tmp_path, *TINY_ROUTED, "--model.activation_checkpointing", "true", "--trainer.max_steps", "3")
@@ -106,7 +106,7 @@ def test_two_process_ddp_fit_on_cpu_logs_one_run_and_resumes_on_one_process(smal
 
 
 @pytest.mark.slow
-def test_two_processes_with_half_batches_match_one_process_step_for_step(small_corpus, tmp_path):  # noqa: F811
+def test_two_processes_with_half_batches_match_one_process_step_for_step(small_corpus, tmp_path):
     """benchmarks/bench_ddp.py's parity run on CPU: float32, so the losses agree to rounding."""
     bench = _load_bench_ddp()
     steps, global_batch = 4, 8

@@ -124,8 +124,6 @@ def test_throughput_is_logged_once_per_window_never_repeated(tmp_path):
 
 def test_the_resolved_model_shape_is_logged_as_hyperparameters(tmp_path):
     """Preset fields are None in the hyperparameters as given; runs must show the shape they trained."""
-    import csv
-
     from lightning.pytorch.loggers import CSVLogger
 
     m = LitLM(ModelConfig.from_name("debug", residual="attnres", heads=2, vocab_size=64, seq_len=16))
@@ -138,3 +136,20 @@ def test_the_resolved_model_shape_is_logged_as_hyperparameters(tmp_path):
     logged = yaml.unsafe_load(next(tmp_path.rglob("hparams.yaml")).read_text())  # CSVLogger writes tuples as python/tuple
     assert logged["model/d_model"] == m.config.d_model and logged["model/n_layer"] == m.config.n_layer
     assert logged["model/heads"] == 2 and logged["model/residual"] == "attnres" and logged["model/vocab_size"] == 64
+
+
+def test_throughput_is_logged_when_validation_comes_before_a_full_window(tmp_path):
+    """val_check_interval (3) < log_every_n_steps (10): validation ends each window early; each one is
+    still measured (before, every window was dropped at validation and no tokens/s was ever logged)."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    m = LitLM(ModelConfig.from_name("debug", n_layer=1, d_model=32, n_head=2, n_kv_head=1, ffn_dim=32, vocab_size=64, seq_len=16), warmup_steps=1)
+    loader = torch.utils.data.DataLoader(torch.randint(0, 64, (64, 17)), batch_size=2)
+    trainer = L.Trainer(max_steps=12, log_every_n_steps=10, val_check_interval=3, limit_val_batches=1, logger=CSVLogger(tmp_path),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(m, loader, loader)
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        logged = [int(r["step"]) for r in csv.DictReader(f) if r.get("perf/tokens_per_s")]
+    assert len(logged) >= 3 and len(set(logged)) == len(logged), logged
