@@ -279,7 +279,12 @@ def find_tokenizer(ckpt: str | os.PathLike, checkpoint: dict[str, Any], tokenize
     )
 
 
-def _resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> torch.device:
+    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N`` as a torch.device.
+
+    Raises:
+        ValueError: an unknown or unsupported device, or CUDA asked for where it is not available.
+    """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -403,7 +408,7 @@ def generate(
             raise ValueError(f"{name}={value!r} is invalid; valid: an integer >= 1")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise ValueError(f"seed={seed!r} is invalid; valid: an integer in [0, 2**63), or None for a random one")
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     run_dtype = _resolve_dtype(dtype, dev)
 
     cfg, weights, checkpoint = load_checkpoint(ckpt)

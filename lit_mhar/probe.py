@@ -406,13 +406,9 @@ def probe(
     if split not in ("val", "train"):
         raise ValueError(f"split={split!r} is unknown; valid: ['val', 'train']")
     check_output_dir(out, overwrite, OUTPUT_NAMES, "probe")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}, but CUDA is not available; valid here: 'cpu'")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r} is unsupported; valid: 'auto', 'cpu', 'cuda', 'cuda:N'")
+    from lit_mhar.generate import resolve_device
+
+    dev = resolve_device(device)
     cfg, weights, ckpt = read_checkpoint(ckpt_path)
     if not cfg.routed:
         raise ValueError(
