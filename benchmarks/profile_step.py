@@ -104,9 +104,6 @@ def profile_variant(scale: str, name: str, steps: int, warmup: int, compile_: bo
         kernels=[dict(name=n[:160], ms=round(ms, 4), calls=c, category=categorise(n)) for n, ms, c in rows[:top]],
         routing_kernels_first_step=[f"{n} {us:.1f}" for _, n, us in routing[:per_step]],
     )
-    del model, opt, prof
-    gc.collect()
-    torch.cuda.empty_cache()
     return result
 
 
@@ -141,6 +138,8 @@ def main(argv=None) -> int:
     for name in args.variants.split(","):
         r = profile_variant(args.scale, name, args.steps, args.warmup, not args.no_compile, args.top)
         results.append(r)
+        gc.collect()
+        torch.cuda.empty_cache()
         print(json.dumps({k: v for k, v in r.items() if k != "kernels"}), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"profile_{args.scale}.json"), "w") as fh:
