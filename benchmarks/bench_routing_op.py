@@ -171,6 +171,7 @@ def main(argv=None):
     ap.add_argument("--out", default=".")
     ap.add_argument("--heads", default="1,8")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
+    ap.add_argument("--variants", default="triton,fla,liger,eager,compiled", help="comma-separated subset to run")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.config.cache_size_limit = 64
@@ -201,6 +202,7 @@ def main(argv=None):
             variants["eager"] = lambda s, q, g, h=heads: reference.depth_route(s, q, g, h)
             if not args.no_compile:
                 variants["compiled"] = lambda s, q, g, h=heads: compiled(s, q, g, h)
+            variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
             t0 = time.time()
             bench_shape(args.scale, n, heads, variants, copy_gbps, writer, fh)
             print(f"{args.scale} N={n} H={heads}: {time.time() - t0:.0f}s", flush=True)

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One call on the one-GPU machine, from the repository root, carrying .whl/ (fla-core, liger-kernel):
+# GPU kernel tests, the routing op against its peers, training throughput and a profile at $SCALES.
+#   OUT=... SCALES="350m" STEPS="tests op train profile" bash benchmarks/device_kernels.sh
+set -uo pipefail
+R=$PWD
+OUT=${OUT:?}
+SCALES=${SCALES:-350m}
+STEPS=${STEPS:-"tests op train profile"}
+TRAIN_VARIANTS=${TRAIN_VARIANTS:-prenorm,mhar-block8-H8,delta-block8-H8,mhar-full-H8,delta-full-H8}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/fla_core-*.whl .whl/liger_kernel-*.whl || exit 1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+cd /tmp
+{
+  date -u +%Y-%m-%dT%H:%MZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+  python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+  git -C "$R" rev-parse --short HEAD 2>/dev/null; git -C "$R" status --short 2>/dev/null | head
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+if [[ " $STEPS " == *" tests "* ]]; then
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest "$R/tests/test_routing_kernels.py" -q -n 8 -p no:cacheprovider -m "${TEST_MARK:-gpu or not gpu}" \
+    > "$OUT/tests.log" 2>&1; echo "tests exit $? at $SECONDS s"; grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -15
+fi
+for s in $SCALES; do
+  if [[ " $STEPS " == *" op "* ]]; then
+    timeout ${OP_TIMEOUT:-100} python3 "$R/benchmarks/bench_routing_op.py" --scale $s --variants ${OP_VARIANTS:-triton,fla,liger} --out "$OUT" >> "$OUT/op.log" 2>&1
+    echo "op $s exit $? at $SECONDS s"
+  fi
+  if [[ " $STEPS " == *" train "* ]]; then
+    timeout ${TRAIN_TIMEOUT:-200} python3 "$R/benchmarks/bench_training.py" --scale $s --variants $TRAIN_VARIANTS --out "$OUT" >> "$OUT/train.log" 2>&1
+    echo "train $s exit $? at $SECONDS s"
+  fi
+  if [[ " $STEPS " == *" profile "* ]]; then
+    timeout ${PROFILE_TIMEOUT:-120} python3 "$R/benchmarks/profile_step.py" --scale $s --variants ${PROFILE_VARIANTS:-prenorm,mhar-block8-H8,mhar-full-H8} --out "$OUT" > "$OUT/profile-$s.log" 2>&1
+    echo "profile $s exit $? at $SECONDS s"
+  fi
+done
+python3 - "$OUT" <<'PY'
+import csv, os, sys
+out = sys.argv[1]
+for name, cols in (("op_bench.csv", ["scale", "N", "H", "variant", "status", "fwd_ms", "bwd_ms", "both_ms", "fwd_frac_copy", "bwd_frac_copy", "err_out", "err_dsrc", "err_dq"]),
+                   ("train_bench.csv", ["scale", "variant", "status", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "mfu_datasheet", "peak_mem_GiB", "mem_ratio_vs_prenorm", "note"])):
+    p = os.path.join(out, name)
+    if os.path.exists(p):
+        print(name)
+        for r in csv.DictReader(open(p)):
+            print("  " + " ".join(f"{c}={r.get(c, '')}" for c in cols))
+PY
+for s in $SCALES; do head -c 1500 "$OUT/profile_$s.md" 2>/dev/null; done
+echo "done at $SECONDS s"
