@@ -76,10 +76,18 @@ def merge_route(sources, query, gain, heads, prior_out, prior_lse, stream=None, 
     return _impl(prior_out).merge_route(sources, query, gain, heads, prior_out, prior_lse, stream, gate, eps)
 
 
+def max_sites_per_pass(d: int, heads: int = 1) -> int:
+    """Sites one fused pass of :func:`route_sites` can take at width ``d`` (the Triton kernel's register budget)."""
+    from lit_mhar.kernels import triton_routing
+
+    return triton_routing.max_sites_per_pass(d, heads)
+
+
 __all__ = [
     "depth_route",
     "route_sites",
     "merge_route",
+    "max_sites_per_pass",
     "reference_depth_route",
     "check_route_args",
     "use_backend",

@@ -11,7 +11,8 @@ additive form), extended in two ways that the model's Block AttnRes path uses:
   progress). Merging is exact: softmax over {completed blocks, partial} equals the lse-weighted mix
   of the softmax over the completed blocks and the partial.
 
-Forward, per tile of ``BM`` tokens and for every site at once, one loop over the sources:
+Forward, per tile of ``BM`` tokens and one site (the sites of a pass are programs side by side,
+so a source tile is read from HBM once and from L2 by the other sites), one loop over the sources:
 ``rstd_i`` (key RMSNorm), the per-head score ``s_i = rstd_i * <q*g, v_i>_h`` and an online softmax
 in float32; normalised keys are never written. Saved for backward: the log-sum-exp ``[S, M, H]``
 float32 (4 bytes per token and head), nothing of size ``[N, M, d]``. Backward recomputes
@@ -46,11 +47,12 @@ from lit_mhar.kernels.reference import check_route_args
 
 # Largest padded width (next power of two of d) one program keeps in registers.
 MAX_BLOCK_D = 16384
-# Tile of one program: tokens x padded width fp32 elements of the accumulator (forward) or of
-# the gradient tile (backward), spread over rows*width/512 warps (4 to 16), i.e. 16 elements per
-# thread. Every kernel handles one site per program (sites run as programs side by side), so
-# no register budget limits how many sites one pass routes.
-TILE_ELEMENTS = {"fwd": 8192, "bwd": 4096, "bwd_delta": 8192, "bwd_sources": 4096}
+# Tile of one program: sites x tokens x padded width fp32 elements of the accumulator (forward)
+# and of the gradient tile (backward), spread over bs*rows*width/512 warps (4 to 16), i.e. 16
+# elements per thread. ``MAX_TILE_ELEMENTS`` caps sites x width (one token per program) and gives
+# ``max_sites_per_pass``.
+TILE_ELEMENTS = {"fwd": 8192, "bwd": 4096}
+MAX_TILE_ELEMENTS = 8192
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -79,11 +81,10 @@ def _route_fwd(
 ):
     # Every tensor is 4-D (site, token, head, lane) and every sum keeps its axis, so that all of
     # them share one register layout: no tile is ever shuffled through shared memory.
-    # One program per (token tile, site), the site varying fastest: the programs of one tile run
-    # together, so each source tile comes from HBM once and from L2 for the other sites.
+    # One program per (token tile, site), the site varying fastest (BS == 1): the programs of one
+    # tile run together, so each source tile comes from HBM once and from L2 for the other sites.
     pid = tl.program_id(0)
-    site = pid % n_sites
-    s_i = tl.arange(0, BS)[:, None, None, None] + site
+    s_i = tl.arange(0, BS)[:, None, None, None] + pid % n_sites
     rows = tl.cast(pid // n_sites, tl.int64) * BM + tl.arange(0, BM)[None, :, None, None]
     h_i = tl.arange(0, BH)[None, None, :, None]
     j_i = tl.arange(0, BDH)[None, None, None, :]
@@ -238,104 +239,6 @@ def _route_bwd(
         tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col, dgate_acc, mask=cmask)
 
 
-def _route_bwd_delta(
-    g_base, g_offs, out_base, out_offs, dlse_ptr, dp_ptr, n_sites, M,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
-    BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr,
-):
-    # D_s = <dr_s, r_s>_h - dlse_s per (site, token, head), from the saved output (as flash
-    # attention's backward preprocess); one program per (token tile, site).
-    pid = tl.program_id(0)
-    site = pid % n_sites
-    rows = tl.cast(pid // n_sites, tl.int64) * BM + tl.arange(0, BM)[:, None, None]
-    h_i = tl.arange(0, BH)[None, :, None]
-    j_i = tl.arange(0, BDH)[None, None, :]
-    cmask = (h_i < H) & (j_i < DH)
-    x_off = rows * D + h_i * DH + j_i
-    xmask = (rows < M) & cmask
-    g_off = tl.multiple_of(tl.load(g_offs + site), G_ALIGN)
-    o_off = tl.multiple_of(tl.load(out_offs + site), ALIGN)
-    dr = tl.load(g_base + g_off + x_off, mask=xmask, other=0.0).to(tl.float32)
-    r = tl.load(out_base + o_off + x_off, mask=xmask, other=0.0).to(tl.float32)
-    dp = tl.reduce(dr * r, 2, _ADD, keep_dims=True)  # [BM, BH, 1]
-    hm_off = tl.cast(site, tl.int64) * M * H + rows * H + h_i
-    hmask = (rows < M) & (h_i < H)
-    if HAS_DLSE:
-        dp -= tl.load(dlse_ptr + hm_off, mask=hmask, other=0.0)
-    tl.store(dp_ptr + hm_off, dp, mask=hmask)
-
-
-def _route_bwd_sources(
-    src_base, src_offs, n_src,
-    w_ptr, n_sites,
-    g_base, g_offs,
-    lse_ptr, dp_ptr,
-    dsrc_ptr, dw_ptr,
-    M, eps, num_tiles, per_source,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
-    BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, ONE_SITE: tl.constexpr,
-):
-    # Program pid owns source i = pid % n_src and token tiles pid // n_src, + per_source, ...: the
-    # programs of all sources walk the tiles together, so each site's output gradient comes from
-    # HBM once and from L2 for the other sources. Per tile, one read of the source, one write of
-    # its gradient, no loop over the other sources:
-    #   ds_si = alpha_si * (<dr_s, v_i>_h - D_s)      (D_s from _route_bwd_delta)
-    #   dv_i  = sum_s alpha_si dr_s + rstd_i ds_si w_s - v_i rstd_i^2 sum_sh ds_si s_si / d
-    #   dw_s += sum_tokens ds_si rstd_i v_i           (registers for one site; else this program's
-    #                                                  own row of the partials, read-modify-write)
-    pid = tl.program_id(0)
-    i = pid % n_src
-    first = pid // n_src
-    m_i = tl.arange(0, BM)[:, None, None]
-    h_i = tl.arange(0, BH)[None, :, None]
-    j_i = tl.arange(0, BDH)[None, None, :]
-    col = h_i * DH + j_i  # [1, BH, BDH]
-    cmask = (h_i < H) & (j_i < DH)
-    off = tl.multiple_of(tl.load(src_offs + i), ALIGN)
-    if ONE_SITE:
-        w1 = tl.load(w_ptr + col, mask=cmask, other=0.0)
-        g1 = tl.multiple_of(tl.load(g_offs), G_ALIGN)
-        dw_acc = tl.full([1, BH, BDH], 0.0, tl.float32)
-    for tile in range(first, num_tiles, per_source):
-        rows = tl.cast(tile, tl.int64) * BM + m_i
-        x_off = rows * D + col
-        xmask = (rows < M) & cmask
-        hm_off = rows * H + h_i
-        hmask = (rows < M) & (h_i < H)
-        v = tl.load(src_base + off + x_off, mask=xmask, other=0.0).to(tl.float32)  # [BM, BH, BDH]
-        sq = tl.reduce(tl.reduce(v * v, 2, _ADD, keep_dims=True), 1, _ADD, keep_dims=True)
-        rstd = 1.0 / tl.sqrt(sq / D + eps)  # [BM, 1, 1]
-        vn = v * rstd
-        dv = tl.full([BM, BH, BDH], 0.0, tl.float32)
-        t = tl.full([BM, 1, 1], 0.0, tl.float32)
-        for s in range(n_sites):
-            if ONE_SITE:
-                w = w1
-                g_off = g1
-            else:
-                w = tl.load(w_ptr + s * D + col, mask=cmask, other=0.0)
-                g_off = tl.multiple_of(tl.load(g_offs + s), G_ALIGN)
-            dr = tl.load(g_base + g_off + x_off, mask=xmask, other=0.0).to(tl.float32)
-            sh_off = tl.cast(s, tl.int64) * M * H + hm_off
-            lse = tl.load(lse_ptr + sh_off, mask=hmask, other=0.0)
-            dp = tl.load(dp_ptr + sh_off, mask=hmask, other=0.0)
-            sc = tl.reduce(w * vn, 2, _ADD, keep_dims=True)  # [BM, BH, 1]
-            alpha = tl.where(hmask, tl.exp(sc - lse), 0.0)
-            ds = alpha * (tl.reduce(dr * v, 2, _ADD, keep_dims=True) - dp)
-            t += tl.reduce(ds * sc, 1, _ADD, keep_dims=True)
-            dv += alpha * dr + rstd * ds * w
-            contrib = tl.reduce(ds * vn, 0, _ADD, keep_dims=True)  # [1, BH, BDH]
-            if ONE_SITE:
-                dw_acc += contrib
-            else:
-                dw_row = dw_ptr + (tl.cast(pid, tl.int64) * n_sites + s) * D + col
-                tl.store(dw_row, tl.load(dw_row, mask=cmask, other=0.0) + contrib, mask=cmask)
-        dv -= v * (rstd * rstd * t / D)
-        tl.store(dsrc_ptr + tl.cast(i, tl.int64) * M * D + x_off, dv.to(dsrc_ptr.dtype.element_ty), mask=xmask)
-    if ONE_SITE:
-        tl.store(dw_ptr + tl.cast(pid, tl.int64) * D + col, dw_acc, mask=cmask)
-
-
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
@@ -348,7 +251,7 @@ def _kernel(name: str, interpret: bool):
     Building the interpreted version explicitly (instead of through ``TRITON_INTERPRET``) lets
     one process run both, and does not depend on when the variable was set.
     """
-    fn = {"fwd": _route_fwd, "bwd": _route_bwd, "bwd_delta": _route_bwd_delta, "bwd_sources": _route_bwd_sources}[name]
+    fn = {"fwd": _route_fwd, "bwd": _route_bwd}[name]
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -372,14 +275,35 @@ def _geometry(d: int, heads: int) -> tuple[int, int, int]:
     return bh, bdh, bh * bdh
 
 
-def _tile(kind: str, d: int, heads: int, interpret: bool) -> tuple[int, int, int, int]:
-    """(BM, num_warps, BH, BDH) for a launch; raises ValueError for too wide a d."""
+def max_sites_per_pass(d: int, heads: int = 1) -> int:
+    """How many routing sites one fused pass can route against the same sources.
+
+    The backward keeps every site's output gradient of a token in registers: sites (padded to a
+    power of two) times the padded width must stay within ``MAX_TILE_ELEMENTS``. 16 at d=512, 8 at
+    d=1024, 4 at d=1280. (The forward runs one program per site and has no such limit.)
+    """
+    return max(1, MAX_TILE_ELEMENTS // _geometry(d, heads)[2])
+
+
+def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple[int, int, int, int, int]:
+    """(BS, BM, num_warps, BH, BDH) for a launch; raises ValueError for an unsupported size."""
     bh, bdh, bd = _geometry(d, heads)
-    rows = max(1, (65536 if interpret else TILE_ELEMENTS[kind]) // bd)
+    bs = triton.next_power_of_2(n_sites)
+    if bs * bd > MAX_TILE_ELEMENTS:
+        raise ValueError(
+            f"triton depth routing: {n_sites} sites at width d={d} (heads={heads}) in one pass need "
+            f"{bs * bd} fp32 registers per token, more than {MAX_TILE_ELEMENTS}; route at most "
+            f"{max_sites_per_pass(d, heads)} sites per pass"
+        )
     if interpret:
-        rows = min(INTERPRET_ROWS, rows)
+        rows = max(1, min(INTERPRET_ROWS, 65536 // (bs * bd)))
+    else:
+        rows = max(1, TILE_ELEMENTS[kind] // (bs * bd))
     rows = 1 << (rows.bit_length() - 1)  # a power of two, rounded down
-    return rows, (4 if interpret else max(4, min(16, rows * bd // 512))), bh, bdh
+    if interpret:
+        return bs, rows, 4, bh, bdh
+    warps = max(4, min(16, bs * rows * bd // 512))
+    return bs, rows, warps, bh, bdh
 
 
 def _new(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -418,7 +342,8 @@ def _forward(
     shape, d = like.shape, like.shape[-1]
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
     interpret = like.device.type != "cuda"
-    bm, warps, bh, bdh = _tile("fwd", d, heads, interpret)
+    _tile("bwd", n_sites, d, heads, interpret)  # the backward's limit on sites per pass, checked before any work
+    _, bm, warps, bh, bdh = _tile("fwd", 1, d, heads, interpret)
     srcs = [_aligned(s) for s in sources]
     base = srcs[0] if srcs else _aligned(prior_out)
     w = (queries.float() * gains.float()).contiguous()
@@ -448,13 +373,16 @@ def _forward(
 def _backward(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
     gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
-    lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], outs: list[Tensor],
+    lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor],
 ) -> list[Tensor]:
     like = sources[0] if sources else prior_out
     shape, d = like.shape, like.shape[-1]
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
     device = like.device
     interpret = device.type != "cuda"
+    bs, bm, warps, bh, bdh = _tile("bwd", n_sites, d, heads, interpret)
+    num_tiles = triton.cdiv(M, bm)
+    programs = min(num_tiles, 2 if interpret else _sm_count(device.index or 0) * max(1, 32 // warps))
     srcs = [_aligned(s) for s in sources]
     base = srcs[0] if srcs else _aligned(prior_out)
     grads = [_aligned(g) for g in grad_outs]
@@ -462,62 +390,26 @@ def _backward(
         grads = [_aligned(g.to(grads[0].dtype)) for g in grads]
     w = (queries.float() * gains.float()).contiguous()
     dsrc = _new((n_src, *shape), like.dtype, device)
+    dw = _new((programs, n_sites, d), torch.float32, device)
+    dgate = _new((programs, d) if gate is not None else (0,), torch.float32, device)
+    dprior = _new(shape if prior_out is not None else (0,), prior_out.dtype if prior_out is not None else torch.float32, device)
+    dprior_lse = _new(prior_lse.shape if prior_lse is not None else (0,), torch.float32, device)
     dummy = w
-    g_offs = _offsets(grads, grads[0])
-    if gate is None and prior_out is None and outs:
-        # replacement form without a prior (per-site routing, phase one of block routing): the
-        # source-parallel backward, D_s from the saved outputs
-        outs = [_aligned(o) for o in outs]
-        bm, warps, bh, bdh = _tile("bwd_delta", d, heads, interpret)
-        dp = _new((n_sites, M, heads), torch.float32, device)
-        _kernel("bwd_delta", interpret)[(triton.cdiv(M, bm) * n_sites,)](
-            grads[0], g_offs, outs[0], _offsets(outs, outs[0]),
-            grad_lse.contiguous() if grad_lse is not None else dummy, dp, n_sites, M,
-            D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, BM=bm,
-            ALIGN=16 // outs[0].element_size(), G_ALIGN=16 // grads[0].element_size(), HAS_DLSE=grad_lse is not None,
-            num_warps=warps,
-        )
-        bm, warps, bh, bdh = _tile("bwd_sources", d, heads, interpret)
-        num_tiles = triton.cdiv(M, bm)
-        target = 2 * n_src if interpret else _sm_count(device.index or 0) * max(1, 32 // warps)
-        per_source = max(1, min(num_tiles, triton.cdiv(target, n_src)))
-        programs = per_source * n_src
-        dw = torch.zeros((programs, n_sites, d), dtype=torch.float32, device=device)  # accumulated in place
-        _kernel("bwd_sources", interpret)[(programs,)](
-            base, _offsets(srcs, base), n_src,
-            w, n_sites,
-            grads[0], g_offs,
-            lse.contiguous(), dp,
-            dsrc, dw,
-            M, eps, num_tiles, per_source,
-            D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, BM=bm,
-            ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), ONE_SITE=n_sites == 1,
-            num_warps=warps,
-        )
-        dgate, dprior, dprior_lse = (torch.empty(0, dtype=torch.float32, device=device) for _ in range(3))
-    else:  # the additive form or a prior: one site (S = 1), the two-pass kernel
-        bm, warps, bh, bdh = _tile("bwd", d, heads, interpret)
-        num_tiles = triton.cdiv(M, bm)
-        programs = min(num_tiles, 2 if interpret else _sm_count(device.index or 0) * max(1, 32 // warps))
-        dw = _new((programs, n_sites, d), torch.float32, device)
-        dgate = _new((programs, d) if gate is not None else (0,), torch.float32, device)
-        dprior = _new(shape if prior_out is not None else (0,), prior_out.dtype if prior_out is not None else torch.float32, device)
-        dprior_lse = _new(prior_lse.shape if prior_lse is not None else (0,), torch.float32, device)
-        _kernel("bwd", interpret)[(programs,)](
-            base, _offsets(srcs, base), n_src,
-            w, n_sites,
-            grads[0], g_offs,
-            lse.contiguous(), grad_lse.contiguous() if grad_lse is not None else dummy,
-            gate.contiguous() if gate is not None else dummy,
-            _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
-            dsrc, dw, dgate if gate is not None else dummy,
-            dprior if prior_out is not None else dummy, dprior_lse if prior_lse is not None else dummy,
-            M, eps, num_tiles,
-            D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, BS=1, BM=bm,
-            ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(),
-            ADDITIVE=gate is not None, HAS_PRIOR=prior_out is not None, HAS_DLSE=grad_lse is not None,
-            num_warps=warps,
-        )
+    _kernel("bwd", interpret)[(programs,)](
+        base, _offsets(srcs, base), n_src,
+        w, n_sites,
+        grads[0], _offsets(grads, grads[0]),
+        lse.contiguous(), grad_lse.contiguous() if grad_lse is not None else dummy,
+        gate.contiguous() if gate is not None else dummy,
+        _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
+        dsrc, dw, dgate if gate is not None else dummy,
+        dprior if prior_out is not None else dummy, dprior_lse if prior_lse is not None else dummy,
+        M, eps, num_tiles,
+        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, BS=bs, BM=bm,
+        ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(),
+        ADDITIVE=gate is not None, HAS_PRIOR=prior_out is not None, HAS_DLSE=grad_lse is not None,
+        num_warps=warps,
+    )
     dw = dw.sum(0)  # fixed-order reduction over programs: deterministic
     q, g = queries.float(), gains.float()
     return [
@@ -566,17 +458,15 @@ def _(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, s
 def route_bwd(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
     gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
-    lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], outs: list[Tensor],
+    lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor],
 ) -> list[Tensor]:
-    """Fused backward of :func:`route_fwd`. ``outs``: the forward's outputs in the replacement form
-    without a prior (their gradient's dot product with them is the softmax backward's ``D``), else
-    empty. Returns ``[d_sources [N, ..., d], d_queries [S, d], d_gains [S, d], d_gate [d] or empty,
-    d_prior_out or empty, d_prior_lse or empty]``."""
-    return _backward(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, outs)
+    """Fused backward of :func:`route_fwd`. Returns ``[d_sources [N, ..., d], d_queries [S, d],
+    d_gains [S, d], d_gate [d] or empty, d_prior_out or empty, d_prior_lse or empty]``."""
+    return _backward(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse)
 
 
 @route_bwd.register_fake
-def _(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, outs):
+def _(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse):
     like = sources[0] if sources else prior_out
     empty = queries.new_empty(0, dtype=torch.float32)
     return [
@@ -592,15 +482,13 @@ def _(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad
 def _setup_context(ctx, inputs, output):
     sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores = inputs
     n_out = 1 if stream is not None else queries.shape[0]
-    outs = output[:n_out] if stream is None and prior_out is None else []  # for D in the backward
-    ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, output[n_out], *sources, *outs)
-    ctx.heads, ctx.eps, ctx.n_out, ctx.additive, ctx.n_src = heads, eps, n_out, stream is not None, len(sources)
+    ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, output[n_out], *sources)
+    ctx.heads, ctx.eps, ctx.n_out, ctx.additive = heads, eps, n_out, stream is not None
     ctx.set_materialize_grads(False)
 
 
 def _backward_rule(ctx, grads):
-    queries, gains, gate, prior_out, prior_lse, lse, *rest = ctx.saved_tensors
-    sources, outs = rest[: ctx.n_src], rest[ctx.n_src :]
+    queries, gains, gate, prior_out, prior_lse, lse, *sources = ctx.saved_tensors
     grad_outs, grad_lse = list(grads[: ctx.n_out]), grads[ctx.n_out]
     like = sources[0] if sources else prior_out
     if all(g is None for g in grad_outs) and grad_lse is None:
@@ -608,7 +496,7 @@ def _backward_rule(ctx, grads):
     dtype = next((g.dtype for g in grad_outs if g is not None), like.dtype)
     grad_outs = [torch.zeros(like.shape, dtype=dtype, device=like.device) if g is None else g for g in grad_outs]
     d_src, d_q, d_g, d_gate, d_prior, d_prior_lse = route_bwd(
-        sources, queries, gains, ctx.heads, ctx.eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, list(outs)
+        sources, queries, gains, ctx.heads, ctx.eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse
     )
     return (
         list(d_src.unbind(0)),
@@ -684,8 +572,7 @@ def route_sites(
 
     Same contract as :func:`lit_mhar.kernels.reference.route_sites`: ``queries``/``gains``
     ``[S, d]``; returns S routed values ``[..., d]`` (source dtype) and their log-sum-exp
-    ``[S, ..., H]`` float32. One program per (token tile, site): any S, each source tile read from
-    HBM once per tile of tokens.
+    ``[S, ..., H]`` float32. Raises ValueError when S exceeds :func:`max_sites_per_pass`.
     """
     if queries.dim() != 2 or gains.shape != queries.shape:
         raise ValueError(f"route_sites: queries {tuple(queries.shape)} and gains {tuple(gains.shape)} must both be [S, d]")
