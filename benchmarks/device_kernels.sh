@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the one-GPU machine, from the repository root, carrying .whl/ (fla-core, liger-kernel):
-# GPU kernel tests, the routing op against its peers, training throughput and a profile at $SCALES.
-#   OUT=... SCALES="350m" STEPS="tests op train profile" bash benchmarks/device_kernels.sh
+# GPU kernel tests, generation at 350m, then per scale in $SCALES the routing op against its peers,
+# training throughput and a profile.
+#   OUT=... SCALES="350m" STEPS="tests generate op train profile" bash benchmarks/device_kernels.sh
 set -uo pipefail
 R=$PWD
 OUT=${OUT:?}
@@ -22,6 +23,10 @@ cat "$OUT/env.txt"
 if [[ " $STEPS " == *" tests "* ]]; then
   timeout ${TEST_TIMEOUT:-150} python3 -m pytest "$R/tests/test_routing_kernels.py" -q -n 8 -p no:cacheprovider -m "${TEST_MARK:-gpu or not gpu}" \
     > "$OUT/tests.log" 2>&1; echo "tests exit $? at $SECONDS s"; grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -15
+fi
+if [[ " $STEPS " == *" generate "* ]]; then
+  timeout ${GENERATE_TIMEOUT:-300} python3 "$R/benchmarks/bench_generate.py" --scale 350m --compile --out "$OUT" > "$OUT/generate.log" 2>&1
+  echo "generate exit $? at $SECONDS s"; cat "$OUT/generate_bench.md" 2>/dev/null || tail -n 30 "$OUT/generate.log"
 fi
 for s in $SCALES; do
   if [[ " $STEPS " == *" op "* ]]; then

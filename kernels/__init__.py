@@ -76,6 +76,11 @@ def merge_route(sources, query, gain, heads, prior_out, prior_lse, stream=None, 
     return _impl(prior_out).merge_route(sources, query, gain, heads, prior_out, prior_lse, stream, gate, eps)
 
 
+def route_norm_decode(history, n_sources, pending, accumulate, query, gain, heads, norm_weight, norm_eps, stream=None, gate=None, eps=1e-6):
+    """Dispatching decode-time routing fused with the next RMSNorm; see :func:`lit_mhar.kernels.reference.route_norm_decode`."""
+    return _impl(history).route_norm_decode(history, n_sources, pending, accumulate, query, gain, heads, norm_weight, norm_eps, stream, gate, eps)
+
+
 def max_sites_per_pass(d: int, heads: int = 1) -> int:
     """Sites one fused pass of :func:`route_sites` can take at width ``d`` (the Triton kernel's register budget)."""
     from lit_mhar.kernels import triton_routing
@@ -87,6 +92,7 @@ __all__ = [
     "depth_route",
     "route_sites",
     "merge_route",
+    "route_norm_decode",
     "max_sites_per_pass",
     "reference_depth_route",
     "check_route_args",

@@ -190,3 +190,80 @@ def _route_with_prior(sources, query, gain, heads, prior, additive, eps):
         stream, gate = additive
         return (stream.to(math_dtype) + gate.to(math_dtype) * routed).to(stream.dtype), scores
     return routed.to(dtype), scores
+
+
+def check_decode_args(
+    history: Tensor, n_sources: int, pending: Optional[Tensor], norm_weight: Tensor, query: Tensor, gain: Tensor,
+    heads: int, stream: Optional[Tensor], gate: Optional[Tensor],
+) -> None:
+    """Validate :func:`route_norm_decode`'s arguments before any work; raise ValueError naming the bad one."""
+    if history.dim() < 2:
+        raise ValueError(f"route_norm_decode: history has shape {tuple(history.shape)}; expected [slots, ..., d]")
+    slots = history.shape[0]
+    last = n_sources + (pending is not None)
+    if isinstance(n_sources, bool) or not isinstance(n_sources, int) or n_sources < 1 or last > slots:
+        raise ValueError(
+            f"route_norm_decode: n_sources={n_sources!r} must be >= 1 and leave room for the pending output "
+            f"in the {slots} slots of history"
+        )
+    if pending is not None and pending.shape != history.shape[1:]:
+        raise ValueError(f"route_norm_decode: pending has shape {tuple(pending.shape)}; expected {tuple(history.shape[1:])}")
+    d = history.shape[-1]
+    if tuple(norm_weight.shape) != (d,):
+        raise ValueError(f"route_norm_decode: norm_weight has shape {tuple(norm_weight.shape)}; expected ({d},)")
+    check_route_args([history[0]], query, gain, heads, stream, gate)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (history, pending, query, gain, norm_weight, stream, gate)):
+        raise ValueError("route_norm_decode is for inference (it has no backward): call it under torch.no_grad() or inference_mode")
+
+
+def route_norm_decode(
+    history: Tensor,
+    n_sources: int,
+    pending: Optional[Tensor],
+    accumulate: bool,
+    query: Tensor,
+    gain: Tensor,
+    heads: int,
+    norm_weight: Tensor,
+    norm_eps: float,
+    stream: Optional[Tensor] = None,
+    gate: Optional[Tensor] = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Decode-time routing site fused with the next sublayer's RMSNorm (inference only, no backward).
+
+    The depth history of the tokens being decoded lives in one buffer ``history`` ``[slots, ..., d]``
+    (slot 0 the embedding, then block sums; Block AttnRes, Sec. 3). The output of the sublayer that
+    just ran, ``pending``, is first added to the depth history: slot ``n_sources`` becomes
+    ``history[n_sources] + pending`` (``accumulate``: the partial block goes on) or ``pending`` (it
+    starts a block), written in place. The site then routes over slots ``0 .. n_sources`` (or
+    ``0 .. n_sources - 1`` without ``pending``) exactly as :func:`depth_route` does, and returns
+
+        RMSNorm(out) * norm_weight,   out = r (replacement) or stream + gate * r (additive)
+
+    with ``out`` rounded to the routed dtype first, as the training path's separate norm sees it.
+
+    Args:
+        history: ``[slots, ..., d]`` float32 / bfloat16 / float16 (float64 in the reference), mutated.
+        n_sources: completed slots before the pending one, >= 1.
+        pending: ``[..., d]`` the newest sublayer output or None (the first site).
+        accumulate: add ``pending`` to slot ``n_sources`` (True) or overwrite it (False).
+        query, gain: ``[d]`` the site's pseudo-query and key-norm gain. heads: H dividing d.
+        norm_weight: ``[d]`` the next RMSNorm's weight; norm_eps its epsilon.
+        stream, gate: the additive form (Delta AttnRes), or None.
+        eps: the key RMSNorm epsilon.
+
+    Returns:
+        ``[..., d]`` in ``promote(routed dtype, norm_weight.dtype)`` (as ``nn.RMSNorm`` returns).
+
+    Raises:
+        ValueError: a shape, ``n_sources`` or ``heads`` that does not fit, or gradients asked for.
+    """
+    check_decode_args(history, n_sources, pending, norm_weight, query, gain, heads, stream, gate)
+    n = n_sources
+    if pending is not None:
+        history[n] = history[n] + pending if accumulate else pending
+        n += 1
+    out = depth_route(list(history[:n].unbind(0)), query, gain, heads, stream, gate, eps)
+    x = out.to(torch.promote_types(out.dtype, norm_weight.dtype))
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight.to(x.dtype), norm_eps)

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lit_mhar.kernels.reference import check_route_args
+from lit_mhar.kernels.reference import check_decode_args, check_route_args
 
 # Largest padded width (next power of two of d) one program keeps in registers.
 MAX_BLOCK_D = 16384
@@ -64,6 +64,7 @@ POISON_OUTPUTS = False
 # TRITON_INTERPRET was set before Triton was imported; builtins and this combine function (which
 # the interpreter maps to ``numpy.sum``) work either way, so CPU tests need no import order.
 _ADD = tl.standard._sum_combine
+_MAX = tl.standard._elementwise_max
 
 
 def _route_fwd(
@@ -239,6 +240,65 @@ def _route_bwd(
         tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col, dgate_acc, mask=cmask)
 
 
+def _decode_route_norm(
+    hist_ptr, n_buf, slot_stride, pend_ptr,
+    w_ptr, nw_ptr, stream_ptr, gate_ptr, out_ptr,
+    eps, norm_eps,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
+    CH: tl.constexpr, HAS_PENDING: tl.constexpr, ACCUMULATE: tl.constexpr, ADDITIVE: tl.constexpr,
+):
+    # One program per token: CH sources per iteration ([CH, head, lane] tiles, all loads of an
+    # iteration in flight at once), online softmax per head, then the pending sublayer output as
+    # the newest source (added into its slot on the way), then the next sublayer's RMSNorm.
+    row = tl.cast(tl.program_id(0), tl.int64) * D
+    c_i = tl.arange(0, CH)[:, None, None]
+    h_i = tl.arange(0, BH)[None, :, None]
+    j_i = tl.arange(0, BDH)[None, None, :]
+    col = h_i * DH + j_i  # [1, BH, BDH]
+    cmask = (h_i < H) & (j_i < DH)
+    w = tl.load(w_ptr + col, mask=cmask, other=0.0)
+    m_run = tl.full([1, BH, 1], float("-inf"), tl.float32)
+    l_run = tl.full([1, BH, 1], 0.0, tl.float32)
+    acc = tl.full([1, BH, BDH], 0.0, tl.float32)
+    for c0 in range(0, n_buf, CH):
+        slot = c0 + c_i
+        smask = slot < n_buf
+        v = tl.load(hist_ptr + tl.cast(slot, tl.int64) * slot_stride + row + col, mask=smask & cmask, other=0.0).to(tl.float32)
+        sq = tl.reduce(tl.reduce(v * v, 2, _ADD, keep_dims=True), 1, _ADD, keep_dims=True)  # [CH, 1, 1]
+        sc = tl.reduce(w * v, 2, _ADD, keep_dims=True) / tl.sqrt(sq / D + eps)  # [CH, BH, 1]
+        sc = tl.where(smask, sc, float("-inf"))
+        m_new = tl.maximum(m_run, tl.reduce(sc, 0, _MAX, keep_dims=True))
+        p = tl.exp(sc - m_new)
+        scale = tl.exp(m_run - m_new)
+        l_run = l_run * scale + tl.reduce(p, 0, _ADD, keep_dims=True)
+        acc = acc * scale + tl.reduce(p * v, 0, _ADD, keep_dims=True)
+        m_run = m_new
+    if HAS_PENDING:
+        slot_ptr = hist_ptr + tl.cast(n_buf, tl.int64) * slot_stride + row + col
+        o = tl.load(pend_ptr + row + col, mask=cmask, other=0.0).to(tl.float32)
+        if ACCUMULATE:
+            o += tl.load(slot_ptr, mask=cmask, other=0.0).to(tl.float32)
+        o = o.to(hist_ptr.dtype.element_ty)
+        tl.store(slot_ptr, o, mask=cmask)
+        o = o.to(tl.float32)  # routed as stored, like the training path's partial sum
+        sq = tl.reduce(tl.reduce(o * o, 2, _ADD, keep_dims=True), 1, _ADD, keep_dims=True)
+        sc = tl.reduce(w * o, 2, _ADD, keep_dims=True) / tl.sqrt(sq / D + eps)  # [1, BH, 1]
+        m_new = tl.maximum(m_run, sc)
+        p = tl.exp(sc - m_new)
+        scale = tl.exp(m_run - m_new)
+        l_run = l_run * scale + p
+        acc = acc * scale + p * o
+    r = acc / l_run
+    if ADDITIVE:
+        x = tl.load(stream_ptr + row + col, mask=cmask, other=0.0).to(tl.float32)
+        x = (x + tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32) * r).to(stream_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        x = r.to(hist_ptr.dtype.element_ty).to(tl.float32)
+    ms = tl.reduce(tl.reduce(x * x, 2, _ADD, keep_dims=True), 1, _ADD, keep_dims=True) / D
+    y = x / tl.sqrt(ms + norm_eps) * tl.load(nw_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row + col, y.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
@@ -251,7 +311,7 @@ def _kernel(name: str, interpret: bool):
     Building the interpreted version explicitly (instead of through ``TRITON_INTERPRET``) lets
     one process run both, and does not depend on when the variable was set.
     """
-    fn = {"fwd": _route_fwd, "bwd": _route_bwd}[name]
+    fn = {"fwd": _route_fwd, "bwd": _route_bwd, "decode": _decode_route_norm}[name]
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -604,3 +664,78 @@ def merge_route(
     return torch.ops.lit_mhar.route_fwd(
         srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False
     )[0]
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode: routing fused with the next RMSNorm (inference only)
+# ----------------------------------------------------------------------------------------------
+
+# Sources per iteration of the decode kernel: the whole depth history of a block-routed model
+# (at most 1 + blocks) in one iteration of loads.
+DECODE_CHUNK = 16
+
+
+@torch.library.custom_op("lit_mhar::route_norm_decode", mutates_args=("history",))
+def _route_norm_decode_op(
+    history: Tensor, n_sources: int, pending: Optional[Tensor], accumulate: bool, query: Tensor, gain: Tensor,
+    heads: int, norm_weight: Tensor, norm_eps: float, stream: Optional[Tensor], gate: Optional[Tensor], eps: float,
+) -> Tensor:
+    d = history.shape[-1]
+    routed_dtype = stream.dtype if stream is not None else history.dtype
+    out = _new(history.shape[1:], torch.promote_types(routed_dtype, norm_weight.dtype), history.device)
+    M = out.numel() // d
+    if M == 0:
+        return out
+    interpret = history.device.type != "cuda"
+    bh, bdh, bd = _geometry(d, heads)
+    chunk = DECODE_CHUNK if interpret or bd <= 2048 else max(1, DECODE_CHUNK * 2048 // bd)
+    w = (query.float() * gain.float()).contiguous()
+    dummy = w
+    _kernel("decode", interpret)[(M,)](
+        history, n_sources, history[0].numel(), pending.contiguous() if pending is not None else dummy,
+        w, norm_weight.contiguous(), stream.contiguous() if stream is not None else dummy,
+        gate.contiguous() if gate is not None else dummy, out,
+        eps, norm_eps,
+        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, CH=triton.next_power_of_2(chunk),
+        HAS_PENDING=pending is not None, ACCUMULATE=bool(accumulate), ADDITIVE=stream is not None,
+        num_warps=4 if interpret else max(4, min(16, chunk * bd // 1024)),
+    )
+    return out
+
+
+@_route_norm_decode_op.register_fake
+def _(history, n_sources, pending, accumulate, query, gain, heads, norm_weight, norm_eps, stream, gate, eps):
+    routed_dtype = stream.dtype if stream is not None else history.dtype
+    return history.new_empty(history.shape[1:], dtype=torch.promote_types(routed_dtype, norm_weight.dtype))
+
+
+def route_norm_decode(
+    history: Tensor,
+    n_sources: int,
+    pending: Optional[Tensor],
+    accumulate: bool,
+    query: Tensor,
+    gain: Tensor,
+    heads: int,
+    norm_weight: Tensor,
+    norm_eps: float,
+    stream: Optional[Tensor] = None,
+    gate: Optional[Tensor] = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Fused decode-time routing + RMSNorm; same signature, math and docstring as
+    :func:`lit_mhar.kernels.reference.route_norm_decode` (one kernel per routing site).
+
+    ``history`` must be contiguous, float32 / bfloat16 / float16. Raises ValueError for the
+    reference's argument errors, another dtype, a non-contiguous history or too wide a d.
+    """
+    check_decode_args(history, n_sources, pending, norm_weight, query, gain, heads, stream, gate)
+    _check_dtypes([history])
+    if not history.is_contiguous():
+        raise ValueError("route_norm_decode: history must be contiguous (one [slots, ..., d] buffer)")
+    if pending is not None and pending.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"route_norm_decode: pending has dtype {pending.dtype}; supported: {list(SUPPORTED_DTYPES)}")
+    return torch.ops.lit_mhar.route_norm_decode(
+        history, n_sources, pending, accumulate, query, gain, heads, norm_weight, float(norm_eps), stream, gate, eps
+    )

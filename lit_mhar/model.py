@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_mhar.config import ModelConfig
 from lit_mhar.kernels import resolve_backend
-from lit_mhar.routing import DepthHistory, HyperConnection, RoutingSite
+from lit_mhar.routing import DecodeHistory, DepthHistory, HyperConnection, RoutingSite
 
 
 def rope_cache(seq_len: int, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
@@ -232,6 +232,8 @@ class Block(nn.Module):
                 # their input: the stream and a snapshot of the sources (kept for later sites anyway)
                 view = None if site is None else history.snapshot()
                 out = checkpoint(_routed_sublayer, norm, site, fn, h, view, use_reentrant=False)
+            elif isinstance(history, DecodeHistory) and site is not None:
+                out = fn(history.route_norm(site, norm, h))  # decoding: route + norm in one op
             else:
                 x = h if site is None else route(site, history, h, weights)
                 out = fn(norm(x))
@@ -319,9 +321,11 @@ class LM(nn.Module):
         With ``cache`` (a :class:`KVCache`, see :meth:`new_cache`), ``idx`` are the tokens at positions
         ``pos .. pos + T - 1``: their keys and values are written into the cache and they attend to
         every cached position before them, so a prompt can be prefilled in one call (``pos=0``) and
-        then decoded one token per call. Depth routing is unchanged: it is per token, over the
-        token's own sublayer outputs, and uses the same routing op as training (two-phase block
-        routing on the fused kernels, AttnRes Sec. 4). ``pos`` is an int, or a 0-d int64 tensor on
+        then decoded one token per call. Depth routing is per token, over the token's own
+        sublayer outputs: the prefill uses the training's routing op (two-phase block routing on
+        the fused kernels, AttnRes Sec. 4); later steps without gradients keep the depth history in
+        one buffer (:class:`DecodeHistory`) and route each site together with the next RMSNorm in
+        one op (:func:`lit_mhar.kernels.route_norm_decode`). ``pos`` is an int, or a 0-d int64 tensor on
         the model's device for decode steps a CUDA graph replays (then it is not range-checked).
         ``pos=0`` as an int is the prefill path: the training's causal attention over ``idx``, one
         row of ``idx`` filling every row of the cache.
@@ -344,17 +348,23 @@ class LM(nn.Module):
         weights: Optional[list[Tensor]] = [] if return_routing else None
         x = self.embed(idx)
         history = None
+        decoding = cache is not None and not (isinstance(pos, int) and pos == 0) and not return_routing and not torch.is_grad_enabled()
         if self.cfg.routed:
             dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-            # Block routing on the fused kernels takes the two-phase path (one pass over the
-            # completed blocks per block); the reference path and probes route site by site.
-            two_phase = self.cfg.block_size > 1 and not return_routing and resolve_backend(x) == "triton"
-            history = DepthHistory(x.to(dtype), self.cfg.block_size, self.routing_sites(), two_phase)
+            if decoding:  # one buffer for the depth history, one fused route + norm op per site
+                history = DecodeHistory(x.to(dtype), self.cfg.block_size, 2 * self.cfg.n_layer)
+            else:
+                # Block routing on the fused kernels takes the two-phase path (one pass over the
+                # completed blocks per block); the reference path and probes route site by site.
+                two_phase = self.cfg.block_size > 1 and not return_routing and resolve_backend(x) == "triton"
+                history = DepthHistory(x.to(dtype), self.cfg.block_size, self.routing_sites(), two_phase)
         h = None if self.cfg.residual == "attnres" else x
         if self.cfg.residual == "hyper":  # the hyper hidden matrix H^0: n copies of the embedding [B, T, n, d]
             h = x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.hc_rate, x.shape[-1])
         for block, layer_cache in zip(self.blocks, layer_caches):
             h = block(h, history, cos, sin, weights) if layer_cache is None else block(h, history, cos, sin, weights, layer_cache)
+        if self.final_site is not None and isinstance(history, DecodeHistory):
+            return self.lm_head(history.route_norm(self.final_site, self.norm, h))
         if self.final_site is not None:
             if self.activation_checkpointing and weights is None and cache is None and torch.is_grad_enabled():
                 h = checkpoint(history.snapshot().route, self.final_site, h, use_reentrant=False)

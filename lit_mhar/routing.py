@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_mhar.kernels import depth_route, max_sites_per_pass, merge_route, route_sites
+from lit_mhar.kernels import depth_route, max_sites_per_pass, merge_route, route_norm_decode, route_sites
 
 
 class DepthHistory:
@@ -143,6 +143,62 @@ class DepthHistory:
             outs, lse = route_sites(self.blocks, queries, gains, heads, part[0].eps)
             for j in range(len(part)):
                 self._inter[first + k + j] = (outs[j], lse[j])
+
+
+class DecodeHistory:
+    """The depth history of tokens being decoded, in one buffer; each site routes and normalises in one op.
+
+    Decoding needs no backward, so the sources can live in one preallocated buffer
+    ``[slots, ..., d]`` (slot 0 the embedding, slot n the n-th block sum, the last used slot the
+    partial block) and each routing site can be one fused op (:func:`lit_mhar.kernels.route_norm_decode`):
+    it adds the output of the sublayer that just ran into its slot, routes over the slots and
+    applies the next sublayer's RMSNorm. Same routing as :class:`DepthHistory` (plain per-site
+    routing over the same block sums; the partial sums are stored in the buffer's dtype, as the
+    training path's are), one kernel per site instead of an add, the routing op(s) and a norm.
+
+    Args:
+        embedding: ``[..., d]`` token embedding (source 0), in the dtype the history is kept in.
+        block_size: S >= 1 sublayers per block.
+        n_sublayers: sublayers in the model (2L), to size the buffer.
+    """
+
+    def __init__(self, embedding: Tensor, block_size: int, n_sublayers: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"DecodeHistory: block_size={block_size} must be >= 1")
+        self.block_size = block_size
+        self.buffer = embedding.new_empty((1 + -(-n_sublayers // block_size), *embedding.shape))
+        self.buffer[0] = embedding
+        self.n_blocks = 1  # completed slots 0 .. n_blocks - 1 (the embedding counts as block 0)
+        self.has_partial = False
+        self.pending: Optional[tuple[Tensor, int, bool]] = None  # (output, slot, add to the slot)
+        self.n_appended = 0
+
+    def append(self, output: Tensor, sublayer: int) -> None:
+        """Record the raw output ``[..., d]`` of sublayer ``sublayer``; the next :meth:`route_norm` stores it."""
+        if sublayer != self.n_appended:
+            raise ValueError(f"DecodeHistory: got sublayer {sublayer}, expected {self.n_appended} (sublayers run in order)")
+        if self.pending is not None:
+            raise RuntimeError("DecodeHistory.append: the previous output was not routed yet (one route_norm per sublayer)")
+        self.pending = (output, self.n_blocks, self.has_partial)
+        self.n_appended += 1
+        if self.n_appended % self.block_size == 0:
+            self.n_blocks += 1
+            self.has_partial = False
+        else:
+            self.has_partial = True
+
+    def route_norm(self, site: "RoutingSite", norm: nn.RMSNorm, stream: Optional[Tensor] = None) -> Tensor:
+        """``norm(route(site))`` ``[..., d]`` for the site about to run; ``stream`` for the additive form."""
+        eps = norm.eps if norm.eps is not None else torch.finfo(self.buffer.dtype).eps
+        if self.pending is None:
+            output, n_sources, accumulate = None, self.n_blocks, False
+        else:
+            output, n_sources, accumulate = self.pending
+            self.pending = None
+        return route_norm_decode(
+            self.buffer, n_sources, output, accumulate, site.query, site.key_gain, site.heads, norm.weight, eps,
+            stream=stream if site.gate is not None else None, gate=site.gate, eps=site.eps,
+        )
 
 
 class RoutingSite(nn.Module):

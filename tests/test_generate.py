@@ -115,24 +115,32 @@ def test_full_forward_still_matches_the_float64_equations_with_the_cache_code_in
         torch.testing.assert_close(decode_in_pieces(model, idx, [4, 1, 1, 1, 1, 1]), naive_forward(model, idx), rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("residual,block_size", [("attnres", 2), ("delta", 4)])
-def test_cached_decoding_on_the_fused_kernel_path_with_two_phase_blocks(residual, block_size, monkeypatch):
-    """The Triton kernels (CPU interpreter): prefill and decode steps both take the two-phase block path."""
+@pytest.mark.parametrize("residual,block_size", [("attnres", 2), ("delta", 4), ("attnres", 1)])
+def test_cached_decoding_on_the_fused_kernel_path(residual, block_size, monkeypatch):
+    """The Triton kernels (CPU interpreter): the prefill takes the two-phase block path, each decode
+    step one fused route + norm kernel per routing site, and the logits are the full forward's."""
     import lit_mhar.routing as routing
+    from lit_mhar.kernels import triton_routing
 
-    passes = []
+    passes, fused = [], []
     original = routing.route_sites
     monkeypatch.setattr(routing, "route_sites", lambda sources, *a, **k: passes.append(sources[0].shape) or original(sources, *a, **k))
+    kernel = triton_routing.route_norm_decode
+    monkeypatch.setattr(triton_routing, "route_norm_decode", lambda history, n, *a, **k: fused.append(n) or kernel(history, n, *a, **k))
     model = tiny_model(residual, 2, block_size, 2, d_model=16, n_head=2, n_kv_head=1, ffn_dim=16)
-    idx = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(3))
+    idx = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         full = model(idx)  # reference path
-        assert not passes
+        assert not passes and not fused
         with use_backend("triton"):
-            cached = decode_in_pieces(model, idx, [3, 1, 1], tensor_pos=True)
+            cached = decode_in_pieces(model, idx, [3, 1, 2], tensor_pos=True)
     torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
-    blocks = -(-(2 * 2 + 1) // block_size)  # the sites (4 sublayers + final) span this many blocks
-    assert [s[1] for s in passes] == [3] * blocks + [1] * blocks + [1] * blocks, "phase one once per block, every step"
+    sites = 2 * 2 + 1
+    blocks = -(-sites // block_size)
+    assert [s[1] for s in passes] == ([3] * blocks if block_size > 1 else []), "two-phase prefill: phase one once per block"
+    # slots before the newest output, per site: the embedding, then one more per completed block
+    expected = [1] + [1 + (l - 1) // block_size for l in range(1, sites)]
+    assert fused == expected * 2, "one fused op per site in each of the two decode steps"
 
 
 def test_decode_step_compiles_to_one_graph_reused_at_every_position():

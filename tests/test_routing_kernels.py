@@ -331,3 +331,70 @@ def test_offsets_past_2_to_the_31_elements():
     for i in (0, n // 2, n - 1):
         assert rel_err(d_src[i][rows], ref_grads[i]) < TOL[torch.bfloat16]
     assert all(torch.isfinite(x).all() for x in d_src)
+
+
+def check_decode(n, heads, d, tokens, dtype, additive, pending, accumulate, seed=0, device=DEVICE):
+    """The fused decode op (routing + next RMSNorm, pending output stored in its slot) against float64."""
+    g = torch.Generator().manual_seed(seed)
+    slots = n + 2
+    history = (torch.randn(slots, tokens, d, generator=g) * (0.5 + torch.arange(slots) % 3)[:, None, None]).to(device, dtype)
+    out_new = torch.randn(tokens, d, generator=g).to(device, dtype) if pending else None
+    query = (2.0 * (heads / d) ** 0.5 * torch.randn(d, generator=g)).to(device)
+    gain = (1 + 0.3 * torch.randn(d, generator=g)).to(device)
+    norm_w = (1 + 0.2 * torch.randn(d, generator=g)).to(device)
+    stream = torch.randn(tokens, d, generator=g).to(device) if additive else None
+    gate = torch.randn(d, generator=g).to(device) if additive else None
+    h_tri, h_ref = history.clone(), history.double()
+    with torch.no_grad():
+        y = tr.route_norm_decode(h_tri, n, out_new, accumulate, query, gain, heads, norm_w, 1e-5, stream, gate)
+        d64 = (lambda t: None if t is None else t.double())
+        y_ref = reference.route_norm_decode(h_ref, n, d64(out_new), accumulate, query.double(), gain.double(), heads, norm_w.double(), 1e-5, d64(stream), d64(gate))
+    assert y.dtype == torch.promote_types(stream.dtype if additive else dtype, norm_w.dtype)
+    assert rel_err(y, y_ref) < TOL[dtype]
+    if pending:  # the slot now holds the (accumulated) output, in the history's dtype
+        assert rel_err(h_tri[n], h_ref[n]) < TOL[dtype]
+    untouched = [i for i in range(slots) if not (pending and i == n)]
+    assert torch.equal(h_tri[untouched], history[untouched])
+
+
+DECODE_CPU = [
+    (1, 1, 64, 3, torch.float32, False, False, False),
+    (1, 2, 96, 5, torch.float32, False, True, False),
+    (4, 8, 1024, 2, torch.bfloat16, False, True, True),
+    (9, 4, 1000, 7, torch.float32, True, True, True),
+    (33, 16, 64, 1, torch.bfloat16, True, True, False),
+    (73, 16, 96, 3, torch.float32, False, True, True),
+]
+DECODE_GPU = list(itertools.product((1, 2, 9, 33, 73), (1, 8), (64, 1000, 1024, 1280), (1, 37), (torch.float32, torch.bfloat16), (False, True), (True,), (False, True)))
+
+
+def decode_id(n, h, d, t, dt, add, pend, acc):
+    return f"N{n}-H{h}-d{d}-T{t}-{str(dt).split('.')[-1]}-{'additive' if add else 'replace'}-{'pending-' + ('add' if acc else 'new') if pend else 'first'}"
+
+
+@pytest.mark.parametrize("n,heads,d,tokens,dtype,additive,pending,accumulate", DECODE_CPU, ids=[decode_id(*c) for c in DECODE_CPU])
+def test_route_norm_decode_matches_float64_reference(n, heads, d, tokens, dtype, additive, pending, accumulate):
+    check_decode(n, heads, d, tokens, dtype, additive, pending, accumulate)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,heads,d,tokens,dtype,additive,pending,accumulate", DECODE_GPU, ids=[decode_id(*c) for c in DECODE_GPU])
+def test_route_norm_decode_matches_float64_reference_full_grid(n, heads, d, tokens, dtype, additive, pending, accumulate):
+    check_decode(n, heads, d, tokens, dtype, additive, pending, accumulate)
+
+
+def test_route_norm_decode_refuses_bad_arguments_before_writing():
+    history = torch.randn(4, 3, 8)
+    before = history.clone()
+    args = dict(query=torch.randn(8), gain=torch.ones(8), heads=2, norm_weight=torch.ones(8), norm_eps=1e-5)
+    with use_backend("triton"), torch.no_grad():
+        with pytest.raises(ValueError, match="n_sources=4"):
+            tr.route_norm_decode(history, 4, torch.randn(3, 8), False, **args)
+        with pytest.raises(ValueError, match="pending has shape"):
+            tr.route_norm_decode(history, 1, torch.randn(2, 8), False, **args)
+        with pytest.raises(ValueError, match="heads=3"):
+            tr.route_norm_decode(history, 1, None, False, **{**args, "heads": 3})
+    with pytest.raises(ValueError, match="inference"):
+        tr.route_norm_decode(history, 1, torch.randn(3, 8, requires_grad=True), False, **args)
+    assert torch.equal(history, before)
