@@ -242,7 +242,7 @@ def _route_bwd(
 
 def _decode_route_norm(
     hist_ptr, n_buf, slot_stride, pend_ptr,
-    w_ptr, nw_ptr, stream_ptr, gate_ptr, out_ptr,
+    q_ptr, g_ptr, nw_ptr, stream_ptr, gate_ptr, out_ptr,
     eps, norm_eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
     CH: tl.constexpr, HAS_PENDING: tl.constexpr, ACCUMULATE: tl.constexpr, ADDITIVE: tl.constexpr,
@@ -256,7 +256,7 @@ def _decode_route_norm(
     j_i = tl.arange(0, BDH)[None, None, :]
     col = h_i * DH + j_i  # [1, BH, BDH]
     cmask = (h_i < H) & (j_i < DH)
-    w = tl.load(w_ptr + col, mask=cmask, other=0.0)
+    w = tl.load(q_ptr + col, mask=cmask, other=0.0).to(tl.float32) * tl.load(g_ptr + col, mask=cmask, other=0.0).to(tl.float32)
     m_run = tl.full([1, BH, 1], float("-inf"), tl.float32)
     l_run = tl.full([1, BH, 1], 0.0, tl.float32)
     acc = tl.full([1, BH, BDH], 0.0, tl.float32)
@@ -278,6 +278,8 @@ def _decode_route_norm(
         o = tl.load(pend_ptr + row + col, mask=cmask, other=0.0).to(tl.float32)
         if ACCUMULATE:
             o += tl.load(slot_ptr, mask=cmask, other=0.0).to(tl.float32)
+            # threads holding copies of one element (narrow d) must all have read it before any writes
+            tl.debug_barrier()
         o = o.to(hist_ptr.dtype.element_ty)
         tl.store(slot_ptr, o, mask=cmask)
         o = o.to(tl.float32)  # routed as stored, like the training path's partial sum
@@ -689,17 +691,17 @@ def _route_norm_decode_op(
         return out
     interpret = history.device.type != "cuda"
     bh, bdh, bd = _geometry(d, heads)
-    chunk = DECODE_CHUNK if interpret or bd <= 2048 else max(1, DECODE_CHUNK * 2048 // bd)
-    w = (query.float() * gain.float()).contiguous()
-    dummy = w
+    # sources per iteration: what this site needs, up to DECODE_CHUNK (fewer at very wide d)
+    chunk = min(triton.next_power_of_2(n_sources), max(1, DECODE_CHUNK * 2048 // max(bd, 2048)))
+    dummy = query
     _kernel("decode", interpret)[(M,)](
         history, n_sources, history[0].numel(), pending.contiguous() if pending is not None else dummy,
-        w, norm_weight.contiguous(), stream.contiguous() if stream is not None else dummy,
+        query.contiguous(), gain.contiguous(), norm_weight.contiguous(), stream.contiguous() if stream is not None else dummy,
         gate.contiguous() if gate is not None else dummy, out,
         eps, norm_eps,
-        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, CH=triton.next_power_of_2(chunk),
+        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, CH=chunk,
         HAS_PENDING=pending is not None, ACCUMULATE=bool(accumulate), ADDITIVE=stream is not None,
-        num_warps=4 if interpret else max(4, min(16, chunk * bd // 1024)),
+        num_warps=4 if interpret else (8 if chunk * bd >= 8192 else 4),
     )
     return out
 
