@@ -55,3 +55,5 @@ for name, cols in (("op_bench.csv", ["scale", "N", "H", "variant", "status", "fw
 PY
 for s in $SCALES; do head -c 1500 "$OUT/profile_$s.md" 2>/dev/null; done
 echo "done at $SECONDS s"
+# the machine returns at most 8 files: everything but env.txt goes back as one archive
+tar czf /tmp/results.tgz -C "$OUT" . && find "$OUT" -type f ! -name env.txt -delete && mv /tmp/results.tgz "$OUT/"
