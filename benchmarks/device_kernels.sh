@@ -10,7 +10,7 @@ SCALES=${SCALES:-350m}
 STEPS=${STEPS:-"tests op train profile"}
 TRAIN_VARIANTS=${TRAIN_VARIANTS:-prenorm,mhar-block8-H8,delta-block8-H8,mhar-full-H8,delta-full-H8}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/fla_core-*.whl .whl/liger_kernel-*.whl || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null || exit 1
+python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 cd /tmp
 {

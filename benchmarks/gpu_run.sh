@@ -10,7 +10,7 @@ REPO=$(pwd)
 steps=${STEPS:-"tests op train"}
 scales=${SCALES:-"100m 350m 1b"}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/fla_core-*.whl .whl/liger_kernel-*.whl || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null || exit 1
+python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 cd /tmp  # outside the source tree, so that the installed lit_mhar (with lit_mhar.kernels) is imported
 {

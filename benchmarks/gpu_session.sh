@@ -27,7 +27,7 @@ SPACE=${SPACE:-'[{scale: [20m], residual: [prenorm, hyper], seed: [0, 1]},
  {scale: [20m], residual: [delta], heads: [8], block_size: [2], seed: [0, 1]}]'}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-sweep/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null || exit 1
+python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null || exit 1
 mkdir -p /tmp/w/data && tar xJf .sweep-data/stdlib_data.tar.xz -C /tmp/w/data && mv /tmp/w/data/stdlib_data /tmp/w/data/stdlib || exit 1
 [ -d .sweep-state ] && cp .sweep-state/*.db /tmp/w/ 2>/dev/null
 cd /tmp/w   # outside the source tree, so the installed lit_mhar (with kernels, cli, sweeps) is imported
