@@ -29,6 +29,11 @@ runs give bit-identical gradients. Sources are addressed through a table of int6
 from the first source (no ``torch.stack``); every row offset is int64, so ``N * tokens * d`` may
 exceed ``2**31``.
 
+Decoding (no backward) has its own kernel, :func:`route_norm_decode`: one program per token loads
+up to ``DECODE_CHUNK`` sources per iteration from one ``[slots, tokens, d]`` buffer, adds the newest
+sublayer output into its slot, routes (online softmax per head) and applies the next sublayer's
+RMSNorm, so a decode step runs one kernel per routing site.
+
 On CPU tensors the kernels run in Triton's interpreter (for tests, through ``use_backend("triton")``);
 on CUDA tensors they are compiled.
 """
