@@ -106,6 +106,11 @@ def sample_next(
         ValueError: a bad setting (see :func:`check_sampling`).
     """
     check_sampling(temperature, top_k, top_p)
+    return _draw(logits, temperature, top_k, top_p, generator)
+
+
+def _draw(logits: Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float], generator: Optional[torch.Generator]) -> Tensor:
+    """:func:`sample_next` without the argument check (decoding checks once, not per token)."""
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
@@ -153,7 +158,8 @@ def generate_ids(
         eos_id: a sample that draws this id ends; later positions of its row hold ``eos_id``.
         vocab_limit: never sample ids >= this (a model whose embedding table is padded beyond the
             tokenizer's vocabulary).
-        on_step: called after every step with the new ids ``[M]`` (for streaming).
+        on_step: called after every step with the new ids ``[M]`` (for streaming); the time it
+            takes (detokenising, printing) is not counted in ``decode_s``.
 
     Returns:
         ``(tokens, stop_reasons, timing)``: ``[M, n]`` int64 new ids (n <= max_new_tokens),
@@ -179,7 +185,7 @@ def generate_ids(
     def pick(logits: Tensor) -> Tensor:
         if vocab_limit is not None and vocab_limit < logits.shape[-1]:
             logits = logits[:, :vocab_limit]
-        return sample_next(logits, temperature, top_k, top_p, generator)
+        return _draw(logits, temperature, top_k, top_p, generator)
 
     cache = model.new_cache(num_samples, max_len=T + n_new - 1)
     started = time.perf_counter()
@@ -189,6 +195,7 @@ def generate_ids(
     out = torch.empty(num_samples, n_new, dtype=torch.long, device=device)
     done = torch.zeros(num_samples, dtype=torch.bool, device=device)
     started = time.perf_counter()
+    outside_s = 0.0  # time in on_step, which is not decoding
     n = 0
     while True:
         ids = pick(logits)
@@ -198,12 +205,15 @@ def generate_ids(
         out[:, n] = ids
         n += 1
         if on_step is not None:
+            sync()  # the step's own work ends here, not inside the callback's first device read
+            t = time.perf_counter()
             on_step(ids)
+            outside_s += time.perf_counter() - t
         if n == n_new or (eos_id is not None and bool(done.all())):
             break
         logits = model(ids.view(num_samples, 1), cache=cache, pos=T + n - 1)[:, -1]
     sync()
-    decode_s = time.perf_counter() - started
+    decode_s = time.perf_counter() - started - outside_s
     ended_by_eos = done.tolist()
     cut = "context" if n_new < max_new_tokens else "max_new_tokens"
     reasons = ["eos" if e else cut for e in ended_by_eos]

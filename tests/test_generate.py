@@ -208,6 +208,22 @@ def test_generation_stops_each_sample_at_eos():
     assert reasons == ["eos", "eos"] and ids.shape == (2, 3) and (ids == greedy[:, :3]).all()
 
 
+def test_sampling_settings_are_checked_once_and_streaming_time_is_not_decode_time(monkeypatch):
+    import time
+
+    import lit_mhar.generate as gen
+
+    calls = []
+    original = gen.check_sampling
+    monkeypatch.setattr(gen, "check_sampling", lambda *a: calls.append(a) or original(*a))
+    model = tiny_model("attnres", 2, 2, 2)
+    prompt = torch.tensor([3, 4, 5])
+    ids, _, timing = generate_ids(model, prompt, max_new_tokens=4, temperature=0.7, top_k=5, on_step=lambda _ids: time.sleep(0.2))
+    assert ids.shape == (1, 4) and len(calls) == 1
+    # four callbacks of 0.2 s ran inside the decode loop; the tiny model's steps take milliseconds
+    assert timing["decode_s"] < 0.4, timing
+
+
 def test_sampling_greedy_top_k_top_p_and_seed():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 50, generator=g)
