@@ -50,6 +50,9 @@ import torch
 from lit_mhar.config import ModelConfig
 from lit_mhar.model import LM
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_training import compile_sublayers  # noqa: E402  (the same compilation as the training benchmark)
+
 VARIANTS = {  # name -> ModelConfig overrides; "8blocks": S = 2L / 8
     "prenorm": dict(residual="prenorm"),
     "mhar-block8-H8": dict(residual="attnres", heads=8, block_size="8blocks"),
@@ -107,13 +110,6 @@ def build(scale: str, overrides: dict, smoke: bool, device: torch.device) -> LM:
     for site in model.routing_sites():  # routing away from uniform, so the checks mean something
         site.query.data = (torch.randn(site.query.shape, generator=g) * 2 * (cfg.heads / cfg.d_model) ** 0.5).to(device)
     return model.eval().requires_grad_(False)
-
-
-def compile_sublayers(model: LM) -> None:
-    for block in model.blocks:
-        for m in (block.attn_norm, block.attn, block.mlp_norm, block.mlp):
-            m.compile()
-    model.norm.compile()
 
 
 class GraphOffsets:
