@@ -36,20 +36,31 @@ def check_route_args(
     if len(shape) == 0:
         raise ValueError("depth_route: sources must have a channel dimension, got a scalar")
     d = shape[-1]
+    if d < 1:
+        raise ValueError(f"depth_route: sources have width d={d}; expected d >= 1")
+    device = sources[0].device
     for i, v in enumerate(sources):
         if v.shape != shape:
             raise ValueError(f"depth_route: sources[{i}] has shape {tuple(v.shape)}, sources[0] has {tuple(shape)}")
         if not v.is_floating_point():
             raise ValueError(f"depth_route: sources[{i}] has dtype {v.dtype}; expected a floating dtype")
+        if v.device != device:
+            raise ValueError(f"depth_route: sources[{i}] is on {v.device}, sources[0] on {device}; all on one device")
     for name, p in (("query", query), ("gain", gain), ("gate", gate)):
+        if p is None and name != "gate":
+            raise ValueError(f"depth_route: {name} is None; expected a ({d},) tensor")
         if p is not None and tuple(p.shape) != (d,):
             raise ValueError(f"depth_route: {name} has shape {tuple(p.shape)}; expected ({d},)")
+        if p is not None and p.device != device:
+            raise ValueError(f"depth_route: {name} is on {p.device}, the sources on {device}; all on one device")
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or d % heads:
         raise ValueError(f"depth_route: heads={heads!r} must be a positive divisor of the width d={d}")
     if (stream is None) != (gate is None):
         raise ValueError("depth_route: stream and gate go together (additive form) or are both None")
     if stream is not None and stream.shape != shape:
         raise ValueError(f"depth_route: stream has shape {tuple(stream.shape)}; expected {tuple(shape)}")
+    if stream is not None and stream.device != device:
+        raise ValueError(f"depth_route: stream is on {stream.device}, the sources on {device}; all on one device")
 
 
 def depth_route(
@@ -193,25 +204,35 @@ def _route_with_prior(sources, query, gain, heads, prior, additive, eps):
 
 
 def check_decode_args(
-    history: Tensor, n_sources: int, pending: Optional[Tensor], norm_weight: Tensor, query: Tensor, gain: Tensor,
-    heads: int, stream: Optional[Tensor], gate: Optional[Tensor],
+    history: Tensor, n_sources: int, pending: Optional[Tensor], accumulate: bool, norm_weight: Tensor, norm_eps: float,
+    query: Tensor, gain: Tensor, heads: int, stream: Optional[Tensor], gate: Optional[Tensor], eps: float,
 ) -> None:
-    """Validate :func:`route_norm_decode`'s arguments before any work; raise ValueError naming the bad one."""
-    if history.dim() < 2:
-        raise ValueError(f"route_norm_decode: history has shape {tuple(history.shape)}; expected [slots, ..., d]")
+    """Validate :func:`route_norm_decode`'s arguments before any work (nothing is written on an
+    error); raise ValueError naming the bad one."""
+    if not isinstance(history, Tensor) or history.dim() < 2 or not history.is_floating_point():
+        raise ValueError(f"route_norm_decode: history must be a floating [slots, ..., d] tensor, got {getattr(history, 'shape', history)!r}")
+    if not history.is_contiguous():
+        raise ValueError("route_norm_decode: history must be contiguous (one [slots, ..., d] buffer whose slots do not overlap)")
     slots = history.shape[0]
-    last = n_sources + (pending is not None)
-    if isinstance(n_sources, bool) or not isinstance(n_sources, int) or n_sources < 1 or last > slots:
+    if isinstance(n_sources, bool) or not isinstance(n_sources, int) or n_sources < 1 or n_sources + (pending is not None) > slots:
         raise ValueError(
-            f"route_norm_decode: n_sources={n_sources!r} must be >= 1 and leave room for the pending output "
-            f"in the {slots} slots of history"
+            f"route_norm_decode: n_sources={n_sources!r} must be an integer >= 1 that leaves room for the pending "
+            f"output in the {slots} slots of history"
         )
-    if pending is not None and pending.shape != history.shape[1:]:
-        raise ValueError(f"route_norm_decode: pending has shape {tuple(pending.shape)}; expected {tuple(history.shape[1:])}")
-    d = history.shape[-1]
-    if tuple(norm_weight.shape) != (d,):
-        raise ValueError(f"route_norm_decode: norm_weight has shape {tuple(norm_weight.shape)}; expected ({d},)")
+    if not isinstance(accumulate, bool):
+        raise ValueError(f"route_norm_decode: accumulate={accumulate!r} must be True or False")
+    if pending is not None:
+        if pending.shape != history.shape[1:]:
+            raise ValueError(f"route_norm_decode: pending has shape {tuple(pending.shape)}; expected {tuple(history.shape[1:])}")
+        if not pending.is_floating_point() or pending.device != history.device:
+            raise ValueError(f"route_norm_decode: pending must be a floating tensor on {history.device}, got {pending.dtype} on {pending.device}")
     check_route_args([history[0]], query, gain, heads, stream, gate)
+    d = history.shape[-1]
+    if not isinstance(norm_weight, Tensor) or tuple(norm_weight.shape) != (d,) or norm_weight.device != history.device:
+        raise ValueError(f"route_norm_decode: norm_weight must be a ({d},) tensor on {history.device}, got {getattr(norm_weight, 'shape', norm_weight)!r}")
+    for name, value in (("norm_eps", norm_eps), ("eps", eps)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise ValueError(f"route_norm_decode: {name}={value!r} must be a finite number >= 0")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (history, pending, query, gain, norm_weight, stream, gate)):
         raise ValueError("route_norm_decode is for inference (it has no backward): call it under torch.no_grad() or inference_mode")
 
@@ -244,7 +265,8 @@ def route_norm_decode(
     with ``out`` rounded to the routed dtype first, as the training path's separate norm sees it.
 
     Args:
-        history: ``[slots, ..., d]`` float32 / bfloat16 / float16 (float64 in the reference), mutated.
+        history: ``[slots, ..., d]`` contiguous, float32 / bfloat16 / float16 (float64 in the
+            reference), mutated.
         n_sources: completed slots before the pending one, >= 1.
         pending: ``[..., d]`` the newest sublayer output or None (the first site).
         accumulate: add ``pending`` to slot ``n_sources`` (True) or overwrite it (False).
@@ -257,9 +279,10 @@ def route_norm_decode(
         ``[..., d]`` in ``promote(routed dtype, norm_weight.dtype)`` (as ``nn.RMSNorm`` returns).
 
     Raises:
-        ValueError: a shape, ``n_sources`` or ``heads`` that does not fit, or gradients asked for.
+        ValueError: before anything is written: a shape, device, dtype, ``n_sources``, ``heads`` or
+            epsilon that does not fit, a non-contiguous ``history``, or gradients asked for.
     """
-    check_decode_args(history, n_sources, pending, norm_weight, query, gain, heads, stream, gate)
+    check_decode_args(history, n_sources, pending, accumulate, norm_weight, norm_eps, query, gain, heads, stream, gate, eps)
     n = n_sources
     if pending is not None:
         history[n] = history[n] + pending if accumulate else pending

@@ -734,13 +734,11 @@ def route_norm_decode(
     """Fused decode-time routing + RMSNorm; same signature, math and docstring as
     :func:`lit_mhar.kernels.reference.route_norm_decode` (one kernel per routing site).
 
-    ``history`` must be contiguous, float32 / bfloat16 / float16. Raises ValueError for the
-    reference's argument errors, another dtype, a non-contiguous history or too wide a d.
+    ``history`` float32 / bfloat16 / float16. Raises ValueError for the reference's argument
+    errors, another dtype or too wide a d, before anything is written.
     """
-    check_decode_args(history, n_sources, pending, norm_weight, query, gain, heads, stream, gate)
+    check_decode_args(history, n_sources, pending, accumulate, norm_weight, norm_eps, query, gain, heads, stream, gate, eps)
     _check_dtypes([history])
-    if not history.is_contiguous():
-        raise ValueError("route_norm_decode: history must be contiguous (one [slots, ..., d] buffer)")
     if pending is not None and pending.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"route_norm_decode: pending has dtype {pending.dtype}; supported: {list(SUPPORTED_DTYPES)}")
     return torch.ops.lit_mhar.route_norm_decode(

@@ -374,13 +374,14 @@ def generate(
     device: str = "auto",
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
     stream: bool = True,
+    verbose: bool = True,
 ) -> Generation:
     """Sample text from a lit-mhar checkpoint: prefill the prompt in one pass, then decode with a KV cache.
 
     Works for every variant (prenorm, AttnRes / MHAR, Block AttnRes, Delta) on CPU and CUDA (depth
-    routing through the fused Triton kernels there, two-phase for blocks). With ``stream``, the
-    prompt and the new text are printed to stdout as tokens come (one sample) or each sample
-    when done (several); a summary line goes to stderr.
+    routing through the fused Triton kernels there, two-phase for blocks). With ``verbose``, the
+    prompt and the new text are printed to stdout, as tokens come (``stream`` and one sample) or
+    each sample when done; a summary line goes to stderr.
 
     Args:
         ckpt: A lit-mhar checkpoint (``.ckpt``), from ``lit-mhar fit`` or ``lit-mhar convert``.
@@ -399,7 +400,8 @@ def generate(
         device: ``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
         dtype: Weights and activations: ``auto`` (bfloat16 on a GPU that has it, else float32),
             ``float32``, ``bfloat16`` or ``float16``.
-        stream: Print as described above (False: print nothing, only return).
+        stream: Print one sample's tokens as they come (False: each sample when it is done).
+        verbose: Print the samples and the summary at all (False: print nothing, only return).
 
     Returns:
         A :class:`Generation`: prompt ids, new token ids and text per sample, why each stopped, the
@@ -456,7 +458,7 @@ def generate(
         seed = random.SystemRandom().randrange(2**63)
     generator = torch.Generator(device=dev).manual_seed(seed)
 
-    streams = TextStreams(tok, prompt_ids, num_samples, eos_id if stop_at_eos else None, echo=sys.stdout if stream and num_samples == 1 else None)
+    streams = TextStreams(tok, prompt_ids, num_samples, eos_id if stop_at_eos else None, echo=sys.stdout if verbose and stream and num_samples == 1 else None)
     if streams.echo is not None:
         print(prompt, end="", flush=True)
     ids, reasons, timing = generate_ids(
@@ -486,7 +488,7 @@ def generate(
         prefill_tokens_per_s=len(prompt_ids) / timing["prefill_s"] if timing["prefill_s"] > 0 else math.inf,
         decode_tokens_per_s=timing["decode_tokens"] / timing["decode_s"] if timing["decode_s"] > 0 else math.nan,
     )
-    if stream:
+    if verbose:
         if streams.echo is not None:
             print(flush=True)
         else:

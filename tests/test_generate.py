@@ -312,7 +312,7 @@ def test_cli_generate_streams_what_the_function_returns(trained, capsys):
     args = ["--ckpt", str(trained["ckpt"]), "--prompt", "def dumps(obj", "--max_new_tokens", "12", "--seed", "3", "--top_k", "40", "--stop_at_eos", "false"]
     assert main(["generate", *args]) == 0
     printed = capsys.readouterr()
-    result = generate(str(trained["ckpt"]), "def dumps(obj", max_new_tokens=12, seed=3, top_k=40, stop_at_eos=False, stream=False)
+    result = generate(str(trained["ckpt"]), "def dumps(obj", max_new_tokens=12, seed=3, top_k=40, stop_at_eos=False, verbose=False)
     assert printed.out == "def dumps(obj" + result.texts[0] + "\n"
     assert "[lit-mhar generate] attnres H=2 S=3" in printed.err and "seed 3" in printed.err
     assert len(result.token_ids[0]) == 12 and result.stop_reasons == ["max_new_tokens"]
@@ -322,10 +322,15 @@ def test_cli_generate_streams_what_the_function_returns(trained, capsys):
     tok = Tokenizer.from_file(str(trained["data"] / "tokenizer.json"))
     assert result.prompt_ids == tok.encode("def dumps(obj").ids
     assert tok.decode(result.prompt_ids + result.token_ids[0]) == "def dumps(obj" + result.texts[0]
+    # --stream false prints the sample when it is done (it printed nothing at all before)
+    assert main(["generate", *args, "--stream", "false"]) == 0
+    printed = capsys.readouterr()
+    assert printed.out == "--- sample 0 (max_new_tokens) ---\ndef dumps(obj" + result.texts[0] + "\n"
+    assert "seed 3" in printed.err
 
 
 def test_samples_are_reproducible_from_the_seed_and_differ_from_each_other(trained):
-    kw = dict(max_new_tokens=10, num_samples=3, temperature=1.5, stop_at_eos=False, stream=False)
+    kw = dict(max_new_tokens=10, num_samples=3, temperature=1.5, stop_at_eos=False, verbose=False)
     a = generate(str(trained["ckpt"]), "", seed=11, **kw)
     b = generate(str(trained["ckpt"]), "", seed=11, **kw)
     assert a.token_ids == b.token_ids and a.texts == b.texts and a.seed == 11
@@ -338,22 +343,22 @@ def test_prompt_longer_than_the_context_is_refused_before_the_model_is_built(tra
 
     monkeypatch.setattr(gen, "LM", None)  # building the model would fail differently
     with pytest.raises(ValueError, match=r"prompt is \d+ tokens long; valid: at most 32 tokens"):
-        generate(str(trained["ckpt"]), "import json\n" * 40, stream=False)
+        generate(str(trained["ckpt"]), "import json\n" * 40, verbose=False)
 
 
 def test_unknown_checkpoint_formats_are_refused(trained, tmp_path):
     text = tmp_path / "notes.ckpt"
     text.write_text("not a checkpoint")
     with pytest.raises(ValueError, match="unknown checkpoint format"):
-        generate(str(text), "x", stream=False)
+        generate(str(text), "x", verbose=False)
     other = tmp_path / "other.ckpt"
     torch.save({"state_dict": {}, "hyper_parameters": {"lr": 1.0}}, other)
     with pytest.raises(ValueError, match="unknown checkpoint format.*not a lit-mhar checkpoint"):
-        generate(str(other), "x", stream=False)
+        generate(str(other), "x", verbose=False)
     with pytest.raises(ValueError, match="is a directory"):
-        generate(str(tmp_path), "x", stream=False)
+        generate(str(tmp_path), "x", verbose=False)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        generate(str(tmp_path / "missing.ckpt"), "x", stream=False)
+        generate(str(tmp_path / "missing.ckpt"), "x", verbose=False)
 
 
 def test_missing_tokenizer_is_refused_and_one_beside_the_checkpoint_is_used(trained, tmp_path):
@@ -362,11 +367,11 @@ def test_missing_tokenizer_is_refused_and_one_beside_the_checkpoint_is_used(trai
     moved = tmp_path / "model.ckpt"
     torch.save(state, moved)
     with pytest.raises(FileNotFoundError, match=r"no tokenizer .*tokenizer\.json.*--tokenizer"):
-        generate(str(moved), "x", stream=False)
+        generate(str(moved), "x", verbose=False)
     (tmp_path / "tokenizer.json").write_bytes((trained["data"] / "tokenizer.json").read_bytes())
-    assert len(generate(str(moved), "x", max_new_tokens=3, seed=0, stop_at_eos=False, stream=False).token_ids[0]) == 3
+    assert len(generate(str(moved), "x", max_new_tokens=3, seed=0, stop_at_eos=False, verbose=False).token_ids[0]) == 3
     with pytest.raises(FileNotFoundError, match="tokenizer='nowhere.json'"):
-        generate(str(moved), "x", tokenizer="nowhere.json", stream=False)
+        generate(str(moved), "x", tokenizer="nowhere.json", verbose=False)
 
 
 def test_cli_refuses_a_negative_temperature(trained, capsys):

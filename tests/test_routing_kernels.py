@@ -384,17 +384,33 @@ def test_route_norm_decode_matches_float64_reference_full_grid(n, heads, d, toke
     check_decode(n, heads, d, tokens, dtype, additive, pending, accumulate)
 
 
-def test_route_norm_decode_refuses_bad_arguments_before_writing():
+@pytest.mark.parametrize("impl", [reference.route_norm_decode, tr.route_norm_decode], ids=["reference", "triton"])
+def test_route_norm_decode_refuses_bad_arguments_before_writing(impl):
     history = torch.randn(4, 3, 8)
     before = history.clone()
     args = dict(query=torch.randn(8), gain=torch.ones(8), heads=2, norm_weight=torch.ones(8), norm_eps=1e-5)
+    pending = torch.randn(3, 8)
+    bad = [
+        ((history, 4, pending, False), {}, "n_sources=4"),
+        ((history, None, pending, False), {}, "n_sources=None"),
+        ((history, 1, torch.randn(2, 8), False), {}, "pending has shape"),
+        ((history, 1, pending.long(), False), {}, "pending must be a floating tensor"),
+        ((history, 1, pending.to("meta"), False), {}, "pending must be a floating tensor on cpu"),
+        ((history, 1, pending, 1), {}, "accumulate=1"),
+        ((history, 1, None, False), {"heads": 3}, "heads=3"),
+        ((history, 1, pending, False), {"query": None}, "query is None"),
+        ((history, 1, pending, False), {"gain": torch.ones(8, device="meta")}, "gain is on meta"),
+        ((history, 1, pending, False), {"norm_weight": None}, "norm_weight must be a"),
+        ((history, 1, pending, False), {"norm_eps": -1.0}, "norm_eps=-1.0"),
+        ((history, 1, pending, False), {"eps": float("nan")}, "eps=nan"),
+        ((history[0].expand(4, 3, 8), 1, pending, False), {}, "must be contiguous"),
+        ((torch.randn(4, 3, 0), 1, torch.randn(3, 0), False), {"query": torch.randn(0), "gain": torch.ones(0), "norm_weight": torch.ones(0)}, "width d=0"),
+    ]
     with use_backend("triton"), torch.no_grad():
-        with pytest.raises(ValueError, match="n_sources=4"):
-            tr.route_norm_decode(history, 4, torch.randn(3, 8), False, **args)
-        with pytest.raises(ValueError, match="pending has shape"):
-            tr.route_norm_decode(history, 1, torch.randn(2, 8), False, **args)
-        with pytest.raises(ValueError, match="heads=3"):
-            tr.route_norm_decode(history, 1, None, False, **{**args, "heads": 3})
+        for call_args, kw, match in bad:
+            with pytest.raises(ValueError, match=match):
+                impl(*call_args, **{**args, **kw})
+            assert torch.equal(history, before), match
     with pytest.raises(ValueError, match="inference"):
-        tr.route_norm_decode(history, 1, torch.randn(3, 8, requires_grad=True), False, **args)
+        impl(history, 1, torch.randn(3, 8, requires_grad=True), False, **args)
     assert torch.equal(history, before)
