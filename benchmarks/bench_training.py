@@ -58,7 +58,9 @@ def compile_sublayers(model: LM) -> None:
     model.norm.compile()
 
 
-def run_variant(scale, name, overrides, batch, seq, steps, warmup, compile_):
+def training_step(scale, overrides, batch, seq, compile_):
+    """``(model, step)``: the variant's LM on the device and a closure running one optimiser step
+    (bf16 autocast, cross-entropy on fixed random tokens, clipping, fused AdamW) that returns the loss."""
     layers = SCALES[scale][2]
     kw = dict(overrides)
     if kw.get("block_size") == "8blocks":
@@ -84,6 +86,11 @@ def run_variant(scale, name, overrides, batch, seq, steps, warmup, compile_):
         opt.zero_grad(set_to_none=True)
         return loss
 
+    return model, step
+
+
+def run_variant(scale, name, overrides, batch, seq, steps, warmup, compile_):
+    model, step = training_step(scale, overrides, batch, seq, compile_)
     sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
     t0 = time.time()
     for _ in range(warmup):
@@ -102,7 +109,7 @@ def run_variant(scale, name, overrides, batch, seq, steps, warmup, compile_):
         step_ms=ms, tokens_per_s=batch * seq / ms * 1e3, peak=peak, loss=loss.item(),
         flops_per_token=model.flops_per_token(seq), compile_s=compile_s,
     )
-    del model, opt, loss
+    del model, step, loss
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()

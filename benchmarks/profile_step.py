@@ -22,9 +22,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_training import DEVICE, SCALES, VARIANTS, compile_sublayers  # noqa: E402
+from bench_training import DEVICE, SCALES, VARIANTS, training_step  # noqa: E402
 
-from lit_mhar import LM, ModelConfig  # noqa: E402
 
 CATEGORIES = (  # first match wins; matched against the lower-cased kernel name
     ("routing fwd", ("_route_fwd", "_decode_route")),
@@ -48,29 +47,8 @@ def categorise(name: str) -> str:
 
 
 def profile_variant(scale: str, name: str, steps: int, warmup: int, compile_: bool, top: int) -> dict:
-    batch, seq, layers = SCALES[scale]
-    kw = dict(VARIANTS[name])
-    if kw.get("block_size") == "8blocks":
-        kw["block_size"] = 2 * layers // 8
-    cfg = ModelConfig.from_name(scale, **kw)
-    torch.manual_seed(0)
-    with torch.device(DEVICE):
-        model = LM(cfg)
-    if compile_:
-        compile_sublayers(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=DEVICE == "cuda")
-    idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=DEVICE)
-    x, y = idx[:, :-1], idx[:, 1:]
-
-    def step():
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    batch, seq, _ = SCALES[scale]
+    _, step = training_step(scale, VARIANTS[name], batch, seq, compile_)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
