@@ -276,7 +276,7 @@ def route_norm_decode(
         eps: the key RMSNorm epsilon.
 
     Returns:
-        ``[..., d]`` in ``promote(routed dtype, norm_weight.dtype)`` (as ``nn.RMSNorm`` returns).
+        ``[..., d]`` in ``promote(routed dtype, norm_weight.dtype)`` (as :class:`lit_mhar.model.RMSNorm` returns).
 
     Raises:
         ValueError: before anything is written: a shape, device, dtype, ``n_sources``, ``heads`` or

@@ -40,9 +40,10 @@ class RMSNorm(nn.RMSNorm):
     Under bf16 autocast the routed input of a sublayer is bf16 while the gain is float32; torch's
     fused RMSNorm kernel needs one dtype and otherwise falls back to a chain of float32 elementwise
     kernels (pow, mean, rsqrt, two multiplies, and as many again backward), which cost a 350m block
-    MHAR training step more time than its routing. Casting the input up first (one kernel) keeps
-    the fused path; the result is the same float32 computation. ``[..., d] -> [..., d]`` in the
-    promoted dtype (as ``nn.RMSNorm`` returns for mixed dtypes).
+    MHAR training step more time than its routing (BENCHMARKS.md, second set). Casting the input
+    up first (one kernel) keeps the fused path; the result is the same float32 computation.
+    ``[..., d] -> [..., d]`` in the promoted dtype (``nn.RMSNorm``'s fallback rounds its result to
+    the input's dtype; under autocast the next linear layer rounds either to bf16 the same way).
     """
 
     def forward(self, x: Tensor) -> Tensor:

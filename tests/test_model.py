@@ -453,3 +453,20 @@ def test_hyper_forward_compiles_to_one_graph_and_keeps_the_stream_in_float32_und
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         torch.testing.assert_close(compiled(idx), eager)
+
+
+def test_rmsnorm_takes_torch_fused_kernel_for_a_narrower_input():
+    """A bf16 routed input with a float32 gain: torch's nn.RMSNorm leaves its fused kernel for a
+    chain of float32 ops; the model's RMSNorm casts the input up and stays on it, same values."""
+    from lit_mhar.model import RMSNorm
+
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(0)).bfloat16()
+    ours, theirs = RMSNorm(40, eps=1e-5), torch.nn.RMSNorm(40, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        theirs.weight.copy_(ours.weight)
+    with torch.profiler.profile() as prof:
+        y = ours(x)
+    assert "aten::_fused_rms_norm" in {e.name for e in prof.events()}
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.bfloat16(), theirs(x), rtol=0, atol=0)  # identical once rounded to bf16
