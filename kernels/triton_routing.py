@@ -706,7 +706,7 @@ def _route_norm_decode_op(
         eps, norm_eps,
         D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, CH=chunk,
         HAS_PENDING=pending is not None, ACCUMULATE=bool(accumulate), ADDITIVE=stream is not None,
-        num_warps=4 if interpret else max(4, min(16, chunk * bd // 1024)),  # <= 32 fp32 per thread per tile
+        num_warps=4 if interpret else (8 if chunk * bd >= 8192 else 4),  # 16 warps measured slower (BENCHMARKS.md)
     )
     return out
 
