@@ -82,19 +82,11 @@ def route_norm_decode(history, n_sources, pending, accumulate, query, gain, head
     return _impl(history).route_norm_decode(history, n_sources, pending, accumulate, query, gain, heads, norm_weight, norm_eps, stream, gate, eps)
 
 
-def max_sites_per_pass(d: int, heads: int = 1) -> int:
-    """Sites one fused pass of :func:`route_sites` can take at width ``d`` (the Triton kernel's register budget)."""
-    from lit_mhar.kernels import triton_routing
-
-    return triton_routing.max_sites_per_pass(d, heads)
-
-
 __all__ = [
     "depth_route",
     "route_sites",
     "merge_route",
     "route_norm_decode",
-    "max_sites_per_pass",
     "reference_depth_route",
     "check_route_args",
     "use_backend",

@@ -54,10 +54,14 @@ from lit_mhar.kernels.reference import check_decode_args, check_route_args
 MAX_BLOCK_D = 16384
 # Tile of one program: sites x tokens x padded width fp32 elements of the accumulator (forward)
 # and of the gradient tile (backward), spread over bs*rows*width/512 warps (4 to 16), i.e. 16
-# elements per thread. ``MAX_TILE_ELEMENTS`` caps sites x width (one token per program) and gives
-# ``max_sites_per_pass``.
+# elements per thread. ``MAX_TILE_ELEMENTS`` caps sites x width of the two-pass backward, which
+# holds every site's gradient of a token (one token per program); it runs single sites only,
+# unless ``SITE_LOOP_MIN_SITES`` is raised (benchmarks compare the two that way).
 TILE_ELEMENTS = {"fwd": 8192, "bwd": 4096}
 MAX_TILE_ELEMENTS = 8192
+# Backward passes over at least this many sites (replacement form, no prior) use the site-loop
+# kernels (``_backward_site_loop``), which hold one site's gradient at a time.
+SITE_LOOP_MIN_SITES = 2
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -245,6 +249,112 @@ def _route_bwd(
         tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col, dgate_acc, mask=cmask)
 
 
+def _route_bwd_stats(
+    src_base, src_offs, n_src,
+    w_ptr, n_sites,
+    g_base, g_offs,
+    lse_ptr, dlse_ptr,
+    dsum_ptr, dw_ptr,
+    M, eps, num_tiles, progs_per_site,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
+    BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    # Site-loop backward, pass one: per (site, token) D = sum_i alpha_i <dr, v_i>_h - dlse, and
+    # this program's share of dw = sum_tokens sum_i ds_i rstd_i v_i, which one loop gives as
+    # sum_tokens (X - D * Y) with X = sum_i alpha_i a_i rstd_i v_i, Y = sum_i alpha_i rstd_i v_i.
+    # Program pid serves site pid % n_sites (the sites of a tile run side by side and share its
+    # source tiles through L2) and tiles pid // n_sites, + progs_per_site, ... (fixed order).
+    pid = tl.program_id(0)
+    site = pid % n_sites
+    m_i = tl.arange(0, BM)[None, :, None, None]
+    h_i = tl.arange(0, BH)[None, None, :, None]
+    j_i = tl.arange(0, BDH)[None, None, None, :]
+    col = h_i * DH + j_i
+    cmask = (h_i < H) & (j_i < DH)
+    w = tl.load(w_ptr + site * D + col, mask=cmask, other=0.0)  # [1, 1, BH, BDH]
+    g_off = tl.multiple_of(tl.load(g_offs + site), G_ALIGN)
+    dw_acc = tl.full([1, 1, BH, BDH], 0.0, tl.float32)
+    for tile in range(pid // n_sites, num_tiles, progs_per_site):
+        rows = tl.cast(tile, tl.int64) * BM + m_i
+        x_off = rows * D + col
+        xmask = (rows < M) & cmask
+        hm_off = rows * H + h_i
+        hmask = (rows < M) & (h_i < H)
+        sh_off = tl.cast(site, tl.int64) * M * H + hm_off
+        dr = tl.load(g_base + g_off + x_off, mask=xmask, other=0.0).to(tl.float32)  # [1, BM, BH, BDH]
+        lse = tl.load(lse_ptr + sh_off, mask=hmask, other=0.0)
+        dsum = tl.full([1, BM, BH, 1], 0.0, tl.float32)
+        xacc = tl.full([1, BM, BH, BDH], 0.0, tl.float32)
+        yacc = tl.full([1, BM, BH, BDH], 0.0, tl.float32)
+        off = tl.multiple_of(tl.load(src_offs), ALIGN)
+        v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
+        for i in range(n_src):
+            v = v_next.to(tl.float32)
+            off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
+            v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
+            sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            rstd = 1.0 / tl.sqrt(sq / D + eps)  # [1, BM, 1, 1]
+            alpha = tl.exp(tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd - lse)  # [1, BM, BH, 1]
+            a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
+            dsum += alpha * a
+            ar = alpha * rstd
+            xacc += (ar * a) * v
+            yacc += ar * v
+        if HAS_DLSE:  # d lse_h enters every score like a constant shift of its D
+            dsum -= tl.load(dlse_ptr + sh_off, mask=hmask, other=0.0)
+        tl.store(dsum_ptr + sh_off, dsum, mask=hmask)
+        dw_acc += tl.reduce(xacc - dsum * yacc, 1, _ADD, keep_dims=True)
+    tl.store(dw_ptr + tl.cast(pid, tl.int64) * D + col, dw_acc, mask=cmask)
+
+
+def _route_bwd_sources(
+    src_base, src_offs, n_src,
+    w_ptr, n_sites,
+    g_base, g_offs,
+    lse_ptr, dsum_ptr,
+    dsrc_ptr,
+    M, eps,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
+    BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
+):
+    # Site-loop backward, pass two: one program per (token tile, source), the source varying
+    # fastest (the programs of a tile share the sites' gradient tiles through L2). The source tile
+    # stays in registers while the sites go by:
+    #   dv = sum_s alpha_s dr_s + rstd ds_s w_s - v rstd^2 sum_s sum_h ds_s s_s / d.
+    pid = tl.program_id(0)
+    i = pid % n_src
+    rows = tl.cast(pid // n_src, tl.int64) * BM + tl.arange(0, BM)[None, :, None, None]
+    h_i = tl.arange(0, BH)[None, None, :, None]
+    j_i = tl.arange(0, BDH)[None, None, None, :]
+    col = h_i * DH + j_i
+    cmask = (h_i < H) & (j_i < DH)
+    x_off = rows * D + col
+    xmask = (rows < M) & cmask
+    hm_off = rows * H + h_i
+    hmask = (rows < M) & (h_i < H)
+    off = tl.multiple_of(tl.load(src_offs + i), ALIGN)
+    v = tl.load(src_base + off + x_off, mask=xmask, other=0.0).to(tl.float32)  # [1, BM, BH, BDH]
+    sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+    rstd = 1.0 / tl.sqrt(sq / D + eps)  # [1, BM, 1, 1]
+    dv = tl.full([1, BM, BH, BDH], 0.0, tl.float32)
+    t = tl.full([1, BM, 1, 1], 0.0, tl.float32)
+    g_off = tl.multiple_of(tl.load(g_offs), G_ALIGN)
+    dr_next = tl.load(g_base + g_off + x_off, mask=xmask, other=0.0)
+    for s in range(n_sites):
+        dr = dr_next.to(tl.float32)
+        g_off = tl.multiple_of(tl.load(g_offs + s + 1), G_ALIGN)
+        dr_next = tl.load(g_base + g_off + x_off, mask=(rows < tl.where(s + 1 < n_sites, M, 0)) & cmask, other=0.0)
+        w = tl.load(w_ptr + s * D + col, mask=cmask, other=0.0)  # [1, 1, BH, BDH]
+        sh_off = tl.cast(s, tl.int64) * M * H + hm_off
+        sc = tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd  # [1, BM, BH, 1]
+        alpha = tl.exp(sc - tl.load(lse_ptr + sh_off, mask=hmask, other=0.0))
+        ds = alpha * (tl.reduce(dr * v, 3, _ADD, keep_dims=True) - tl.load(dsum_ptr + sh_off, mask=hmask, other=0.0))
+        dv += alpha * dr + (rstd * ds) * w
+        t += tl.reduce(ds * sc, 2, _ADD, keep_dims=True)
+    dv -= v * (rstd * rstd * t / D)
+    tl.store(dsrc_ptr + tl.cast(i, tl.int64) * M * D + x_off, dv.to(dsrc_ptr.dtype.element_ty), mask=xmask)
+
+
 def _decode_route_norm(
     hist_ptr, n_buf, slot_stride, pend_ptr,
     q_ptr, g_ptr, nw_ptr, stream_ptr, gate_ptr, out_ptr,
@@ -318,7 +428,10 @@ def _kernel(name: str, interpret: bool):
     Building the interpreted version explicitly (instead of through ``TRITON_INTERPRET``) lets
     one process run both, and does not depend on when the variable was set.
     """
-    fn = {"fwd": _route_fwd, "bwd": _route_bwd, "decode": _decode_route_norm}[name]
+    fn = {
+        "fwd": _route_fwd, "bwd": _route_bwd, "bwd_stats": _route_bwd_stats, "bwd_sources": _route_bwd_sources,
+        "decode": _decode_route_norm,
+    }[name]
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -342,16 +455,6 @@ def _geometry(d: int, heads: int) -> tuple[int, int, int]:
     return bh, bdh, bh * bdh
 
 
-def max_sites_per_pass(d: int, heads: int = 1) -> int:
-    """How many routing sites one fused pass can route against the same sources.
-
-    The backward keeps every site's output gradient of a token in registers: sites (padded to a
-    power of two) times the padded width must stay within ``MAX_TILE_ELEMENTS``. 16 at d=512, 8 at
-    d=1024, 4 at d=1280. (The forward runs one program per site and has no such limit.)
-    """
-    return max(1, MAX_TILE_ELEMENTS // _geometry(d, heads)[2])
-
-
 def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple[int, int, int, int, int]:
     """(BS, BM, num_warps, BH, BDH) for a launch; raises ValueError for an unsupported size."""
     bh, bdh, bd = _geometry(d, heads)
@@ -359,8 +462,8 @@ def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple
     if bs * bd > MAX_TILE_ELEMENTS:
         raise ValueError(
             f"triton depth routing: {n_sites} sites at width d={d} (heads={heads}) in one pass need "
-            f"{bs * bd} fp32 registers per token, more than {MAX_TILE_ELEMENTS}; route at most "
-            f"{max_sites_per_pass(d, heads)} sites per pass"
+            f"{bs * bd} fp32 registers per token in the two-pass backward, more than {MAX_TILE_ELEMENTS}; "
+            f"route at most {max(1, MAX_TILE_ELEMENTS // bd)} sites per pass with it"
         )
     if interpret:
         rows = max(1, min(INTERPRET_ROWS, 65536 // (bs * bd)))
@@ -409,7 +512,8 @@ def _forward(
     shape, d = like.shape, like.shape[-1]
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
     interpret = like.device.type != "cuda"
-    _tile("bwd", n_sites, d, heads, interpret)  # the backward's limit on sites per pass, checked before any work
+    if n_sites < SITE_LOOP_MIN_SITES:  # the two-pass backward's limit on sites per pass, checked before any work
+        _tile("bwd", n_sites, d, heads, interpret)
     _, bm, warps, bh, bdh = _tile("fwd", 1, d, heads, interpret)
     srcs = [_aligned(s) for s in sources]
     base = srcs[0] if srcs else _aligned(prior_out)
@@ -447,6 +551,8 @@ def _backward(
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
     device = like.device
     interpret = device.type != "cuda"
+    if gate is None and prior_out is None and n_sites >= SITE_LOOP_MIN_SITES and n_src > 0:
+        return _backward_site_loop(sources, queries, gains, heads, eps, lse, grad_outs, grad_lse)
     bs, bm, warps, bh, bdh = _tile("bwd", n_sites, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
     programs = min(num_tiles, 2 if interpret else _sm_count(device.index or 0) * max(1, 32 // warps))
@@ -487,6 +593,57 @@ def _backward(
         dprior,
         dprior_lse,
     ]
+
+
+
+def _backward_site_loop(
+    sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
+    lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor],
+) -> list[Tensor]:
+    """Backward of several sites of the replacement form (phase one of Block AttnRes) in two kernels.
+
+    ``_route_bwd_stats`` (one program per site and range of token tiles) forms each site's ``D``
+    and query-gradient partials; ``_route_bwd_sources`` (one program per token tile and source)
+    then writes each source's gradient, looping over the sites. No tile holds more than one
+    site's gradient, so programs take several tokens whatever the number of sites.
+    """
+    like = sources[0]
+    shape, d = like.shape, like.shape[-1]
+    n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
+    device = like.device
+    interpret = device.type != "cuda"
+    _, bm, warps, bh, bdh = _tile("bwd", 1, d, heads, interpret)
+    num_tiles = triton.cdiv(M, bm)
+    per_site = min(num_tiles, 2 if interpret else triton.cdiv(_sm_count(device.index or 0) * max(1, 32 // warps), n_sites))
+    srcs = [_aligned(s) for s in sources]
+    base = srcs[0]
+    grads = [_aligned(g) for g in grad_outs]
+    if any(g.dtype != grads[0].dtype for g in grads):
+        grads = [_aligned(g.to(grads[0].dtype)) for g in grads]
+    w = (queries.float() * gains.float()).contiguous()
+    src_offs, g_offs = _offsets(srcs, base), _offsets(grads, grads[0])
+    dsum = _new(lse.shape, torch.float32, device)
+    dw = _new((per_site * n_sites, d), torch.float32, device)
+    dsrc = _new((n_src, *shape), like.dtype, device)
+    geometry = dict(D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, BM=bm, ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size())
+    lse = lse.contiguous()
+    _kernel("bwd_stats", interpret)[(per_site * n_sites,)](
+        base, src_offs, n_src, w, n_sites, grads[0], g_offs,
+        lse, grad_lse.contiguous() if grad_lse is not None else w,
+        dsum, dw,
+        M, eps, num_tiles, per_site,
+        **geometry, HAS_DLSE=grad_lse is not None, num_warps=warps,
+    )
+    _kernel("bwd_sources", interpret)[(num_tiles * n_src,)](
+        base, src_offs, n_src, w, n_sites, grads[0], g_offs,
+        lse, dsum, dsrc,
+        M, eps,
+        **geometry, num_warps=warps,
+    )
+    dw = dw.view(per_site, n_sites, d).sum(0)  # fixed-order reduction over programs: deterministic
+    q, g = queries.float(), gains.float()
+    empty = [torch.empty(0, dtype=torch.float32, device=device) for _ in range(3)]  # outputs may not alias
+    return [dsrc, (dw * g).to(queries.dtype), (dw * q).to(gains.dtype), *empty]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -639,7 +796,7 @@ def route_sites(
 
     Same contract as :func:`lit_mhar.kernels.reference.route_sites`: ``queries``/``gains``
     ``[S, d]``; returns S routed values ``[..., d]`` (source dtype) and their log-sum-exp
-    ``[S, ..., H]`` float32. Raises ValueError when S exceeds :func:`max_sites_per_pass`.
+    ``[S, ..., H]`` float32. Any number of sites: the backward loops over them.
     """
     if queries.dim() != 2 or gains.shape != queries.shape:
         raise ValueError(f"route_sites: queries {tuple(queries.shape)} and gains {tuple(gains.shape)} must both be [S, d]")

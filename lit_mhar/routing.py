@@ -14,13 +14,12 @@ width and depth connections.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from lit_mhar.kernels import depth_route, max_sites_per_pass, merge_route, route_norm_decode, route_sites
+from lit_mhar.kernels import depth_route, merge_route, route_norm_decode, route_sites
 
 
 class DepthHistory:
@@ -126,24 +125,14 @@ class DepthHistory:
         return view
 
     def _route_completed_blocks(self, first: int) -> None:
-        """Phase one for sites ``first`` .. end of their block: one pass over the completed blocks.
-
-        A pass holds at most ``max_sites_per_pass(d, H)`` sites' accumulators in registers; longer
-        blocks are split into that many balanced passes (each re-reads the completed blocks).
-        """
+        """Phase one for sites ``first`` .. end of their block: one pass over the completed blocks."""
         last = min(first - first % self.block_size + self.block_size, len(self.sites))
         group = self.sites[first:last]
-        d, heads = self.blocks[0].shape[-1], group[0].heads
-        n_pass = math.ceil(len(group) / max_sites_per_pass(d, heads))
-        size = math.ceil(len(group) / n_pass)
-        for k in range(0, len(group), size):
-            part = group[k : k + size]
-            queries = torch.stack([s.query for s in part])
-            gains = torch.stack([s.key_gain for s in part])
-            outs, lse = route_sites(self.blocks, queries, gains, heads, part[0].eps)
-            for j in range(len(part)):
-                self._inter[first + k + j] = (outs[j], lse[j])
-
+        queries = torch.stack([s.query for s in group])
+        gains = torch.stack([s.key_gain for s in group])
+        outs, lse = route_sites(self.blocks, queries, gains, group[0].heads, group[0].eps)
+        for j in range(len(group)):
+            self._inter[first + j] = (outs[j], lse[j])
 
 class DecodeHistory:
     """The depth history of tokens being decoded, in one buffer; each site routes and normalises in one op.
