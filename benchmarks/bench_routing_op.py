@@ -2,7 +2,7 @@
 
 Shapes of the 100m / 350m / 1b presets (tokens per step 64x2048, 32x1024, 32x1024), N = 9 sources
 (8 blocks) and N = 2L + 1 (full routing), H = 1 and 8, bfloat16 sources, float32 query and gain.
-Variants: the fused Triton op, the eager reference, ``torch.compile`` of the reference, and at
+Variants: the fused Triton op (``triton-siteloop``: its site-loop backward at one site), the eager reference, ``torch.compile`` of the reference, and at
 H = 1 fla-core's ``fused_attnres`` and liger-kernel's ``liger_attn_res`` (benchmark-only peers,
 imported here and nowhere in the package). Every variant is checked in the same run against a
 float64 reference computed in token chunks (output, every source gradient, query and gain
@@ -41,6 +41,7 @@ SCALES = {  # d, layers, tokens per step (batch, seq)
     "tiny": (96, 2, (1, 70)),  # a dry run of this script (BENCH_DEVICE=cpu runs it in Triton's interpreter)
 }
 DEVICE = os.environ.get("BENCH_DEVICE", "cuda")
+SITE_LOOP_DEFAULT = triton_routing.SITE_LOOP_MIN_SITES
 TOL = 1e-2  # bf16 sources and outputs: relative L2 error against float64
 FIELDS = ["scale", "N", "H", "variant", "status", "fwd_ms", "bwd_ms", "both_ms", "fwd_GBps", "bwd_GBps", "fwd_frac_copy", "bwd_frac_copy",
           "err_out", "err_dsrc", "err_dq", "err_dg", "copy_GBps", "note"]
@@ -132,6 +133,8 @@ def bench_shape(scale, n, heads, variants, copy_gbps, writer, fh):
     bwd_bytes = (2 * n + 1) * M * d * esize
     for name, fn in variants.items():
         row = dict(scale=scale, N=n, H=heads, variant=name, copy_GBps=round(copy_gbps, 1))
+        # the backward kernel is chosen when autograd runs it: the site-loop one for this variant only
+        triton_routing.SITE_LOOP_MIN_SITES = 1 if name == "triton-siteloop" else SITE_LOOP_DEFAULT
         try:
             out = fn(sources, q, g)
             grads = torch.autograd.grad(out, inputs, dout)
@@ -163,6 +166,60 @@ def bench_shape(scale, n, heads, variants, copy_gbps, writer, fh):
         writer.writerow(row)
         fh.flush()
         print(json.dumps(row), flush=True)
+    triton_routing.SITE_LOOP_MIN_SITES = SITE_LOOP_DEFAULT
+
+
+def bench_phase_one(scale, n, heads, copy_gbps, writer, fh):
+    """Phase one of Block AttnRes (``route_sites``): S = 2L / 8 sites against ``n`` completed blocks,
+    forward + backward (gradients of the outputs and of the log-sum-exp, as the merge gives them),
+    backward by the site-loop kernels and by the two-pass kernel (which holds every site's gradient
+    of a token), each checked against float64 first. Rows: variant ``phase1-siteloop`` / ``phase1-twopass``."""
+    d, layers, (batch, seq) = SCALES[scale]
+    M, S = batch * seq, max(2, 2 * layers // 8)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    sources = [(torch.randn(M, d, device=DEVICE, generator=gen) * (0.5 + i % 3)).to(torch.bfloat16).requires_grad_() for i in range(n)]
+    q = (2.0 * (heads / d) ** 0.5 * torch.randn(S, d, device=DEVICE, generator=gen)).requires_grad_()
+    g = (1 + 0.3 * torch.randn(S, d, device=DEVICE, generator=gen)).requires_grad_()
+    douts = [torch.randn(M, d, device=DEVICE, generator=gen).to(torch.bfloat16) for _ in range(S)]
+    dlse = torch.randn(S, M, heads, device=DEVICE, generator=gen)
+    inputs = sources + [q, g]
+
+    def loss_of(outs, lse, dtype):
+        return sum((o.to(dtype) * t.to(dtype)).sum() for o, t in zip(outs, douts)) + (lse.to(dtype) * dlse.to(dtype)).sum()
+
+    ref = [torch.zeros(s.shape, dtype=torch.float32, device=DEVICE) for s in sources] + [torch.zeros(q.shape, dtype=torch.float64, device=DEVICE) for _ in range(2)]
+    for a in range(0, M, 2048):  # float64 reference gradients over token chunks
+        sl = [s.detach()[a:a + 2048].double().requires_grad_() for s in sources]
+        qq, gg = q.detach().double().requires_grad_(), g.detach().double().requires_grad_()
+        outs, lse = reference.route_sites(sl, qq, gg, heads)
+        grads = torch.autograd.grad(sum((o * t[a:a + 2048].double()).sum() for o, t in zip(outs, douts)) + (lse * dlse[:, a:a + 2048].double()).sum(), sl + [qq, gg])
+        for i in range(n):
+            ref[i][a:a + 2048] = grads[i]
+        ref[n] += grads[n]
+        ref[n + 1] += grads[n + 1]
+    bwd_bytes = (2 * n + S) * M * d * 2
+    for name, min_sites in (("phase1-siteloop", 2), ("phase1-twopass", 10**9)):
+        triton_routing.SITE_LOOP_MIN_SITES = min_sites
+        row = dict(scale=scale, N=n, H=heads, variant=name, copy_GBps=round(copy_gbps, 1), note=f"S={S}")
+        try:
+            run = lambda: torch.autograd.grad(loss_of(*triton_routing.route_sites(sources, q, g, heads), torch.float32), inputs)
+            grads = run()
+            errs = dict(err_dsrc=rel_list(grads[:n], ref[:n]), err_dq=rel(grads[n], ref[n]), err_dg=rel(grads[n + 1], ref[n + 1]))
+            row.update({k: f"{v:.2e}" for k, v in errs.items()})
+            if max(errs.values()) > TOL:
+                row["status"] = "FAILED correctness"
+            else:
+                fwd = do_bench(lambda: triton_routing.route_sites(sources, q, g, heads), warmup=10, rep=100, return_mode="median")
+                both = do_bench(run, warmup=10, rep=100, return_mode="median")
+                row.update(status="ok", fwd_ms=f"{fwd:.4f}", both_ms=f"{both:.4f}", bwd_ms=f"{both - fwd:.4f}",
+                           bwd_GBps=f"{bwd_bytes / (both - fwd) / 1e6:.0f}", bwd_frac_copy=f"{bwd_bytes / (both - fwd) / 1e6 / copy_gbps:.3f}")
+        except Exception as e:  # noqa: BLE001 - the two-pass kernel refuses too many sites at wide d
+            row.update(status="error", note=f"S={S} " + repr(e)[:200])
+        torch.cuda.empty_cache()
+        writer.writerow(row)
+        fh.flush()
+        print(json.dumps(row), flush=True)
+    triton_routing.SITE_LOOP_MIN_SITES = SITE_LOOP_DEFAULT
 
 
 def main(argv=None):
@@ -171,7 +228,8 @@ def main(argv=None):
     ap.add_argument("--out", default=".")
     ap.add_argument("--heads", default="1,8")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
-    ap.add_argument("--variants", default="triton,fla,liger,eager,compiled", help="comma-separated subset to run")
+    ap.add_argument("--variants", default="triton,triton-siteloop,phase1,fla,liger,eager,compiled",
+                    help="comma-separated subset to run (phase1: Block AttnRes's phase one, site-loop against two-pass backward)")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.config.cache_size_limit = 64
@@ -193,8 +251,14 @@ def main(argv=None):
         # full routing at the end: a peer that crashes with an illegal address at the largest shape
         # leaves the CUDA context unusable, so it runs last in this process
         heads_list = [int(h) for h in args.heads.split(",")]
+        if "phase1" in args.variants.split(","):
+            for heads in heads_list:
+                t0 = time.time()
+                bench_phase_one(args.scale, 8, heads, copy_gbps, writer, fh)
+                print(f"{args.scale} phase one N=8 H={heads}: {time.time() - t0:.0f}s", flush=True)
         for n, heads in [(9, h) for h in heads_list] + [(2 * layers + 1, h) for h in reversed(heads_list)]:
             variants = {"triton": lambda s, q, g, h=heads: triton_routing.depth_route(s, q, g, h)}
+            variants["triton-siteloop"] = variants["triton"]  # same forward, site-loop backward (one site)
             if heads == 1:
                 for k in ("liger", "fla"):
                     if k in peer_fns:
