@@ -30,9 +30,11 @@ from the first source (no ``torch.stack``); every row offset is int64, so ``N * 
 exceed ``2**31``.
 
 Decoding (no backward) has its own kernel, :func:`route_norm_decode`: one program per token loads
-up to ``DECODE_CHUNK`` sources per iteration from one ``[slots, tokens, d]`` buffer, adds the newest
-sublayer output into its slot, routes (online softmax per head) and applies the next sublayer's
-RMSNorm, so a decode step runs one kernel per routing site.
+up to ``DECODE_CHUNK`` slots at once from one ``[slots, tokens, d]`` buffer, adds the newest
+sublayer output into its slot, routes (softmax per head) and applies the next sublayer's RMSNorm,
+so a decode step of a block-routed model runs one kernel per routing site. Longer histories (full
+routing) are split: one program per token and ``DECODE_CHUNK`` slots writes a partial (float32
+sum, max and normaliser per head), a second launch merges them in order and finishes.
 
 On CPU tensors the kernels run in Triton's interpreter (for tests, through ``use_backend("triton")``);
 on CUDA tensors they are compiled.
@@ -358,62 +360,77 @@ def _route_bwd_sources(
 def _decode_route_norm(
     hist_ptr, n_buf, slot_stride, pend_ptr,
     q_ptr, g_ptr, nw_ptr, stream_ptr, gate_ptr, out_ptr,
+    part_ptr, part_ml_ptr, M, n_split,
     eps, norm_eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
-    CH: tl.constexpr, HAS_PENDING: tl.constexpr, ACCUMULATE: tl.constexpr, ADDITIVE: tl.constexpr,
+    CH: tl.constexpr, NSP: tl.constexpr, PHASE: tl.constexpr,
+    HAS_PENDING: tl.constexpr, ACCUMULATE: tl.constexpr, ADDITIVE: tl.constexpr,
 ):
-    # One program per token: CH sources per iteration ([CH, head, lane] tiles, all loads of an
-    # iteration in flight at once), online softmax per head, then the pending sublayer output as
-    # the newest source (added into its slot on the way), then the next sublayer's RMSNorm.
-    row = tl.cast(tl.program_id(0), tl.int64) * D
-    c_i = tl.arange(0, CH)[:, None, None]
+    # PHASE 0: program (token) routes all its slots in one [CH, head, lane] tile and finishes.
+    # PHASE 1: program (token, k) routes slots k*CH .. k*CH + CH - 1 and writes its partial
+    # (acc, max, sum per head, float32); PHASE 2: program (token) merges the n_split partials in
+    # order (online softmax) and finishes. Finishing: the additive form, the next RMSNorm, the store.
+    # The pending sublayer output is the newest slot (n_buf): added into its slot by the program
+    # whose tile holds it, then routed as stored, like the training path's partial sum.
+    tok = tl.program_id(0)
+    row = tl.cast(tok, tl.int64) * D
     h_i = tl.arange(0, BH)[None, :, None]
     j_i = tl.arange(0, BDH)[None, None, :]
     col = h_i * DH + j_i  # [1, BH, BDH]
     cmask = (h_i < H) & (j_i < DH)
-    w = tl.load(q_ptr + col, mask=cmask, other=0.0).to(tl.float32) * tl.load(g_ptr + col, mask=cmask, other=0.0).to(tl.float32)
-    m_run = tl.full([1, BH, 1], float("-inf"), tl.float32)
-    l_run = tl.full([1, BH, 1], 0.0, tl.float32)
-    acc = tl.full([1, BH, BDH], 0.0, tl.float32)
-    for c0 in range(0, n_buf, CH):
-        slot = c0 + c_i
-        smask = slot < n_buf
-        v = tl.load(hist_ptr + tl.cast(slot, tl.int64) * slot_stride + row + col, mask=smask & cmask, other=0.0).to(tl.float32)
+    if PHASE == 2:
+        k_i = tl.arange(0, NSP)[:, None, None]
+        kmask = k_i < n_split
+        pk = tl.cast(k_i * M + tok, tl.int64)
+        acc_k = tl.load(part_ptr + pk * D + col, mask=kmask & cmask, other=0.0)  # [NSP, BH, BDH]
+        ml_off = (pk * H + h_i) * 2
+        m_k = tl.load(part_ml_ptr + ml_off, mask=kmask & (h_i < H), other=float("-inf"))  # [NSP, BH, 1]
+        l_k = tl.load(part_ml_ptr + ml_off + 1, mask=kmask & (h_i < H), other=0.0)
+        m = tl.reduce(m_k, 0, _MAX, keep_dims=True)
+        scale = tl.where(kmask, tl.exp(m_k - m), 0.0)
+        r = tl.reduce(acc_k * scale, 0, _ADD, keep_dims=True) / tl.reduce(l_k * scale, 0, _ADD, keep_dims=True)
+    else:
+        slot = tl.program_id(1) * CH + tl.arange(0, CH)[:, None, None]  # [CH, 1, 1]
+        slot_off = tl.cast(slot, tl.int64) * slot_stride + row + col
+        w = tl.load(q_ptr + col, mask=cmask, other=0.0).to(tl.float32) * tl.load(g_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        n_read = n_buf + 1 if ACCUMULATE else n_buf
+        v = tl.load(hist_ptr + slot_off, mask=(slot < n_read) & cmask, other=0.0).to(tl.float32)
+        if HAS_PENDING:
+            is_new = slot == n_buf
+            v += tl.load(pend_ptr + row + col + 0 * slot, mask=is_new & cmask, other=0.0).to(tl.float32)
+            v = v.to(hist_ptr.dtype.element_ty)
+            if ACCUMULATE:
+                # threads holding copies of one element (narrow d) must all have read it before any writes
+                tl.debug_barrier()
+            tl.store(hist_ptr + slot_off, v, mask=is_new & cmask)
+            v = v.to(tl.float32)
+            valid = slot <= n_buf
+        else:
+            valid = slot < n_buf
         sq = tl.reduce(tl.reduce(v * v, 2, _ADD, keep_dims=True), 1, _ADD, keep_dims=True)  # [CH, 1, 1]
         sc = tl.reduce(w * v, 2, _ADD, keep_dims=True) / tl.sqrt(sq / D + eps)  # [CH, BH, 1]
-        sc = tl.where(smask, sc, float("-inf"))
-        m_new = tl.maximum(m_run, tl.reduce(sc, 0, _MAX, keep_dims=True))
-        p = tl.exp(sc - m_new)
-        scale = tl.exp(m_run - m_new)
-        l_run = l_run * scale + tl.reduce(p, 0, _ADD, keep_dims=True)
-        acc = acc * scale + tl.reduce(p * v, 0, _ADD, keep_dims=True)
-        m_run = m_new
-    if HAS_PENDING:
-        slot_ptr = hist_ptr + tl.cast(n_buf, tl.int64) * slot_stride + row + col
-        o = tl.load(pend_ptr + row + col, mask=cmask, other=0.0).to(tl.float32)
-        if ACCUMULATE:
-            o += tl.load(slot_ptr, mask=cmask, other=0.0).to(tl.float32)
-            # threads holding copies of one element (narrow d) must all have read it before any writes
-            tl.debug_barrier()
-        o = o.to(hist_ptr.dtype.element_ty)
-        tl.store(slot_ptr, o, mask=cmask)
-        o = o.to(tl.float32)  # routed as stored, like the training path's partial sum
-        sq = tl.reduce(tl.reduce(o * o, 2, _ADD, keep_dims=True), 1, _ADD, keep_dims=True)
-        sc = tl.reduce(w * o, 2, _ADD, keep_dims=True) / tl.sqrt(sq / D + eps)  # [1, BH, 1]
-        m_new = tl.maximum(m_run, sc)
-        p = tl.exp(sc - m_new)
-        scale = tl.exp(m_run - m_new)
-        l_run = l_run * scale + p
-        acc = acc * scale + p * o
-    r = acc / l_run
-    if ADDITIVE:
-        x = tl.load(stream_ptr + row + col, mask=cmask, other=0.0).to(tl.float32)
-        x = (x + tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32) * r).to(stream_ptr.dtype.element_ty).to(tl.float32)
-    else:
-        x = r.to(hist_ptr.dtype.element_ty).to(tl.float32)
-    ms = tl.reduce(tl.reduce(x * x, 2, _ADD, keep_dims=True), 1, _ADD, keep_dims=True) / D
-    y = x / tl.sqrt(ms + norm_eps) * tl.load(nw_ptr + col, mask=cmask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row + col, y.to(out_ptr.dtype.element_ty), mask=cmask)
+        sc = tl.where(valid, sc, float("-inf"))
+        m = tl.reduce(sc, 0, _MAX, keep_dims=True)  # [1, BH, 1]
+        p = tl.exp(sc - m)
+        l = tl.reduce(p, 0, _ADD, keep_dims=True)
+        acc = tl.reduce(p * v, 0, _ADD, keep_dims=True)  # [1, BH, BDH]
+        if PHASE == 1:
+            pk = tl.cast(tl.program_id(1) * M + tok, tl.int64)
+            tl.store(part_ptr + pk * D + col, acc, mask=cmask)
+            ml_off = (pk * H + h_i) * 2
+            tl.store(part_ml_ptr + ml_off, m, mask=h_i < H)
+            tl.store(part_ml_ptr + ml_off + 1, l, mask=h_i < H)
+        else:
+            r = acc / l
+    if PHASE != 1:
+        if ADDITIVE:
+            x = tl.load(stream_ptr + row + col, mask=cmask, other=0.0).to(tl.float32)
+            x = (x + tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32) * r).to(stream_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            x = r.to(hist_ptr.dtype.element_ty).to(tl.float32)
+        ms = tl.reduce(tl.reduce(x * x, 2, _ADD, keep_dims=True), 1, _ADD, keep_dims=True) / D
+        y = x / tl.sqrt(ms + norm_eps) * tl.load(nw_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row + col, y.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -835,8 +852,8 @@ def merge_route(
 # Decode: routing fused with the next RMSNorm (inference only)
 # ----------------------------------------------------------------------------------------------
 
-# Sources per iteration of the decode kernel: the whole depth history of a block-routed model
-# (at most 1 + blocks) in one iteration of loads.
+# Slots per program of the decode kernel: the whole depth history of a block-routed model
+# (at most 1 + blocks + 1) in one tile of loads; longer histories are split over programs.
 DECODE_CHUNK = 16
 
 
@@ -853,18 +870,33 @@ def _route_norm_decode_op(
         return out
     interpret = history.device.type != "cuda"
     bh, bdh, bd = _geometry(d, heads)
-    # sources per iteration: what this site needs, up to DECODE_CHUNK (fewer at very wide d)
-    chunk = min(triton.next_power_of_2(n_sources), max(1, DECODE_CHUNK * 2048 // max(bd, 2048)))
+    # slots per program: the whole depth history of a block-routed model in one tile (fewer at very
+    # wide d); longer histories (full routing) are split over programs and merged by a second launch
+    n_total = n_sources + (pending is not None)
+    chunk = min(triton.next_power_of_2(n_total), max(1, DECODE_CHUNK * 2048 // max(bd, 2048)))
+    n_split = triton.cdiv(n_total, chunk)
     dummy = query
-    _kernel("decode", interpret)[(M,)](
+    if n_split > 1:
+        part = torch.empty((n_split, M, d), dtype=torch.float32, device=history.device)
+        part_ml = torch.empty((n_split, M, heads, 2), dtype=torch.float32, device=history.device)
+    else:
+        part = part_ml = dummy
+    args = (
         history, n_sources, history[0].numel(), pending.contiguous() if pending is not None else dummy,
         query.contiguous(), gain.contiguous(), norm_weight.contiguous(), stream.contiguous() if stream is not None else dummy,
         gate.contiguous() if gate is not None else dummy, out,
+        part, part_ml, M, n_split,
         eps, norm_eps,
-        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, CH=chunk,
-        HAS_PENDING=pending is not None, ACCUMULATE=bool(accumulate), ADDITIVE=stream is not None,
-        num_warps=4 if interpret else (8 if chunk * bd >= 8192 else 4),  # 16 warps measured slower (BENCHMARKS.md)
     )
+    flags = dict(
+        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, CH=chunk, NSP=triton.next_power_of_2(n_split),
+        HAS_PENDING=pending is not None, ACCUMULATE=bool(accumulate), ADDITIVE=stream is not None,
+    )
+    warps = 4 if interpret else (8 if chunk * bd >= 8192 else 4)  # 16 warps measured slower (BENCHMARKS.md)
+    kernel = _kernel("decode", interpret)
+    kernel[(M, n_split)](*args, **flags, PHASE=0 if n_split == 1 else 1, num_warps=warps)
+    if n_split > 1:
+        kernel[(M,)](*args, **flags, PHASE=2, num_warps=4)
     return out
 
 

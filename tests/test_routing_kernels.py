@@ -365,6 +365,11 @@ DECODE_CPU = [
     (9, 4, 1000, 7, torch.float32, True, True, True),
     (33, 16, 64, 1, torch.bfloat16, True, True, False),
     (73, 16, 96, 3, torch.float32, False, True, True),
+    # around the split of long histories over programs (16 slots each): 16 in one program; 17 with
+    # the pending output alone in the second; 32 exactly two
+    (15, 2, 64, 2, torch.bfloat16, True, True, True),
+    (16, 2, 64, 2, torch.float32, False, True, True),
+    (32, 4, 96, 3, torch.bfloat16, False, False, False),
 ]
 DECODE_GPU = list(itertools.product((1, 2, 9, 33, 73), (1, 8), (64, 1000, 1024, 1280), (1, 37), (torch.float32, torch.bfloat16), (False, True), (True,), (False, True)))
 
