@@ -210,6 +210,23 @@ def test_backward_is_deterministic():
             assert torch.equal(a, b)
 
 
+def test_site_loop_backward_is_deterministic():
+    """Several sites per pass (phase one of Block AttnRes) take the site-loop kernels: bit-identical too."""
+    with use_backend("triton"):
+        sources, *_ = make_case(5, 4, 96, 301, torch.float32, False, seed=6)
+        g = torch.Generator().manual_seed(6)
+        queries, gains = torch.randn(3, 96, generator=g), 1 + 0.3 * torch.randn(3, 96, generator=g)
+        douts, dlse = torch.randn(3, 301, 96, generator=g), torch.randn(3, 301, 4, generator=g)
+        leaves = [x.requires_grad_() for x in [*sources, queries, gains]]
+        runs = []
+        for _ in range(2):
+            outs, lse = tr.route_sites(leaves[:5], leaves[5], leaves[6], 4)
+            loss = sum((o * t).sum() for o, t in zip(outs, douts)) + (lse * dlse).sum()
+            runs.append(torch.autograd.grad(loss, leaves))
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+
+
 def tiny_model(residual, heads, block_size, n_layer=3):
     cfg = ModelConfig.from_name(
         "debug", residual=residual, heads=heads, block_size=block_size, d_model=32, n_layer=n_layer,
@@ -329,6 +346,30 @@ def test_offsets_past_2_to_the_31_elements():
     ref = reference.depth_route(sl, query.detach().double(), gain.detach().double(), heads)
     ref_grads = torch.autograd.grad(ref, sl, grad[rows].double())
     assert rel_err(out[rows], ref) < TOL[torch.bfloat16]
+    for i in (0, n // 2, n - 1):
+        assert rel_err(d_src[i][rows], ref_grads[i]) < TOL[torch.bfloat16]
+    assert all(torch.isfinite(x).all() for x in d_src)
+
+
+@gpu
+@pytest.mark.gpu
+def test_site_loop_offsets_past_2_to_the_31_elements():
+    """The site-loop backward (route_sites, 2 sites) at 73 x 32768 x 1280: source gradients indexed
+    past 2**31, checked against the reference on the last rows."""
+    n, tokens, d, heads, sites = 73, 32768, 1280, 8, 2
+    g = torch.Generator(device="cuda").manual_seed(1)
+    sources = [torch.randn(tokens, d, device="cuda", generator=g).to(torch.bfloat16).requires_grad_() for _ in range(n)]
+    queries = 2.0 * (heads / d) ** 0.5 * torch.randn(sites, d, device="cuda", generator=g)
+    gains = 1 + 0.3 * torch.randn(sites, d, device="cuda", generator=g)
+    douts = [torch.randn(tokens, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(sites)]
+    outs, _ = tr.route_sites(sources, queries, gains, heads)
+    d_src = torch.autograd.grad(outs, sources, douts)
+    rows = slice(tokens - 97, tokens)
+    sl = [s.detach()[rows].double().requires_grad_() for s in sources]
+    ref, _ = reference.route_sites(sl, queries.double(), gains.double(), heads)
+    ref_grads = torch.autograd.grad(ref, sl, [t[rows].double() for t in douts])
+    for j in range(sites):
+        assert rel_err(outs[j][rows], ref[j]) < TOL[torch.bfloat16]
     for i in (0, n // 2, n - 1):
         assert rel_err(d_src[i][rows], ref_grads[i]) < TOL[torch.bfloat16]
     assert all(torch.isfinite(x).all() for x in d_src)
