@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the one-GPU machine, from the repository root, carrying .whl/ (fla-core, liger-kernel):
 # GPU kernel tests, generation at 350m, then per scale in $SCALES the routing op against its peers,
-# training throughput and a profile.
-#   OUT=... SCALES="350m" STEPS="tests generate op train profile" bash benchmarks/device_kernels.sh
+# training throughput, tile tuning and a profile.
+#   OUT=... SCALES="350m" STEPS="tests generate op train tune profile" bash benchmarks/device_kernels.sh
 set -uo pipefail
 R=$PWD
 OUT=${OUT:?}
@@ -36,6 +36,10 @@ for s in $SCALES; do
   if [[ " $STEPS " == *" train "* ]]; then
     timeout ${TRAIN_TIMEOUT:-200} python3 "$R/benchmarks/bench_training.py" --scale $s --variants $TRAIN_VARIANTS --out "$OUT" >> "$OUT/train.log" 2>&1
     echo "train $s exit $? at $SECONDS s"
+  fi
+  if [[ " $STEPS " == *" tune "* ]]; then
+    timeout ${TUNE_TIMEOUT:-220} python3 "$R/benchmarks/tune_tiles.py" --scale $s --out "$OUT" > "$OUT/tune-$s.log" 2>&1
+    echo "tune $s exit $? at $SECONDS s"
   fi
   if [[ " $STEPS " == *" profile "* ]]; then
     timeout ${PROFILE_TIMEOUT:-120} python3 "$R/benchmarks/profile_step.py" --scale $s --variants ${PROFILE_VARIANTS:-prenorm,mhar-block8-H8,mhar-full-H8} --out "$OUT" > "$OUT/profile-$s.log" 2>&1

@@ -59,11 +59,16 @@ MAX_BLOCK_D = 16384
 # elements per thread. ``MAX_TILE_ELEMENTS`` caps sites x width of the two-pass backward, which
 # holds every site's gradient of a token (one token per program); it runs single sites only,
 # unless ``SITE_LOOP_MIN_SITES`` is raised (benchmarks compare the two that way).
-TILE_ELEMENTS = {"fwd": 8192, "bwd": 4096}
+TILE_ELEMENTS = {"fwd": 8192, "bwd": 4096, "bwd_stats": 4096, "bwd_sources": 4096}
+# Warps per program by launch kind where set (benchmarks/tune_tiles.py tries them); else from the tile.
+WARPS: dict[str, int] = {}
 MAX_TILE_ELEMENTS = 8192
-# Backward passes over at least this many sites (replacement form, no prior) use the site-loop
-# kernels (``_backward_site_loop``), which hold one site's gradient at a time.
+# Backward passes over at least this many sites, or of one site over at least this many sources
+# (replacement form, no prior), use the site-loop kernels (``_backward_site_loop``), which hold one
+# site's gradient at a time and spread the sources over programs (BENCHMARKS.md: faster at 49
+# sources, slower at 9 with H = 1, 350m shapes).
 SITE_LOOP_MIN_SITES = 2
+SITE_LOOP_MIN_SOURCES = 16
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -489,7 +494,7 @@ def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple
     rows = 1 << (rows.bit_length() - 1)  # a power of two, rounded down
     if interpret:
         return bs, rows, 4, bh, bdh
-    warps = max(4, min(16, bs * rows * bd // 512))
+    warps = WARPS.get(kind, max(4, min(16, bs * rows * bd // 512)))
     return bs, rows, warps, bh, bdh
 
 
@@ -529,7 +534,7 @@ def _forward(
     shape, d = like.shape, like.shape[-1]
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
     interpret = like.device.type != "cuda"
-    if n_sites < SITE_LOOP_MIN_SITES:  # the two-pass backward's limit on sites per pass, checked before any work
+    if n_sites < SITE_LOOP_MIN_SITES and n_sites > 1:  # the two-pass backward's limit on sites per pass, checked before any work
         _tile("bwd", n_sites, d, heads, interpret)
     _, bm, warps, bh, bdh = _tile("fwd", 1, d, heads, interpret)
     srcs = [_aligned(s) for s in sources]
@@ -568,7 +573,7 @@ def _backward(
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
     device = like.device
     interpret = device.type != "cuda"
-    if gate is None and prior_out is None and n_sites >= SITE_LOOP_MIN_SITES and n_src > 0:
+    if gate is None and prior_out is None and n_src > 0 and (n_sites >= SITE_LOOP_MIN_SITES or n_src >= SITE_LOOP_MIN_SOURCES):
         return _backward_site_loop(sources, queries, gains, heads, eps, lse, grad_outs, grad_lse)
     bs, bm, warps, bh, bdh = _tile("bwd", n_sites, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
@@ -629,7 +634,8 @@ def _backward_site_loop(
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
     device = like.device
     interpret = device.type != "cuda"
-    _, bm, warps, bh, bdh = _tile("bwd", 1, d, heads, interpret)
+    _, bm, warps, bh, bdh = _tile("bwd_stats", 1, d, heads, interpret)
+    _, bm_src, warps_src, _, _ = _tile("bwd_sources", 1, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
     per_site = min(num_tiles, 2 if interpret else triton.cdiv(_sm_count(device.index or 0) * max(1, 32 // warps), n_sites))
     srcs = [_aligned(s) for s in sources]
@@ -642,20 +648,20 @@ def _backward_site_loop(
     dsum = _new(lse.shape, torch.float32, device)
     dw = _new((per_site * n_sites, d), torch.float32, device)
     dsrc = _new((n_src, *shape), like.dtype, device)
-    geometry = dict(D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, BM=bm, ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size())
+    geometry = dict(D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size())
     lse = lse.contiguous()
     _kernel("bwd_stats", interpret)[(per_site * n_sites,)](
         base, src_offs, n_src, w, n_sites, grads[0], g_offs,
         lse, grad_lse.contiguous() if grad_lse is not None else w,
         dsum, dw,
         M, eps, num_tiles, per_site,
-        **geometry, HAS_DLSE=grad_lse is not None, num_warps=warps,
+        **geometry, BM=bm, HAS_DLSE=grad_lse is not None, num_warps=warps,
     )
-    _kernel("bwd_sources", interpret)[(num_tiles * n_src,)](
+    _kernel("bwd_sources", interpret)[(triton.cdiv(M, bm_src) * n_src,)](
         base, src_offs, n_src, w, n_sites, grads[0], g_offs,
         lse, dsum, dsrc,
         M, eps,
-        **geometry, num_warps=warps,
+        **geometry, BM=bm_src, num_warps=warps_src,
     )
     dw = dw.view(per_site, n_sites, d).sum(0)  # fixed-order reduction over programs: deterministic
     q, g = queries.float(), gains.float()

@@ -1,0 +1,139 @@
+"""Tile sizes and warp counts of the routing kernels, tried one launch kind at a time (GPU).
+
+For each shape (350m unless ``--scale``: phase one of Block AttnRes, S = 2L/8 sites against 8
+completed blocks; one site over N = 9 .. 2L+1 sources), every configuration of one launch kind
+(``fwd``, ``bwd_stats``, ``bwd_sources``) is checked against the package's default configuration
+(relative L2 difference of the output or of every gradient) and then timed with
+``triton.testing.do_bench`` (median), the other kinds at their defaults. A configuration whose
+check fails gets no time. It also times the two backward kernels against each other at one site
+and N sources, which sets ``SITE_LOOP_MIN_SOURCES``.
+
+    python benchmarks/tune_tiles.py --scale 350m --out OUT    # writes OUT/tune_tiles.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import os
+import sys
+
+import torch
+from triton.testing import do_bench
+
+from lit_mhar.kernels import triton_routing as tr
+
+SCALES = {"100m": (512, 12, 64 * 2048), "350m": (1024, 24, 32 * 1024), "1b": (1280, 36, 32 * 1024), "tiny": (96, 8, 70)}
+DEVICE = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu": a dry run of this script (tiny scale, Triton's interpreter)
+if DEVICE == "cpu":
+    from lit_mhar.kernels import use_backend
+
+    use_backend("triton").__enter__()
+
+    def do_bench(fn, warmup=0, rep=0, return_mode="median"):  # noqa: F811 - no CUDA events on CPU
+        fn()
+        return float("nan")
+CONFIGS = {
+    "fwd": list(itertools.product((4096, 8192, 16384), (4, 8, 16))),
+    "bwd_stats": list(itertools.product((2048, 4096, 8192), (4, 8))),
+    "bwd_sources": list(itertools.product((2048, 4096, 8192, 16384), (4, 8, 16))),
+}
+FIELDS = ["scale", "shape", "kind", "elements", "warps", "ms", "rel_diff", "status"]
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def make(M, d, n, sites, heads, seed=0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    sources = [(torch.randn(M, d, device=DEVICE, generator=g) * (0.5 + i % 3)).to(torch.bfloat16).requires_grad_() for i in range(n)]
+    q = (2.0 * (heads / d) ** 0.5 * torch.randn(sites, d, device=DEVICE, generator=g)).requires_grad_()
+    gn = (1 + 0.3 * torch.randn(sites, d, device=DEVICE, generator=g)).requires_grad_()
+    douts = [torch.randn(M, d, device=DEVICE, generator=g).to(torch.bfloat16) for _ in range(sites)]
+    dlse = torch.randn(sites, M, heads, device=DEVICE, generator=g)
+    return sources, q, gn, douts, dlse
+
+
+def runner(sources, q, gn, douts, dlse, heads):
+    """(forward fn, backward fn on one recorded graph) of route_sites, gradients of outputs and lse."""
+    inputs = sources + [q, gn]
+    fwd = lambda: tr.route_sites(sources, q, gn, heads)  # noqa: E731
+    outs, lse = fwd()
+    bwd = lambda: torch.autograd.grad([*outs, lse], inputs, [*douts, dlse], retain_graph=True)  # noqa: E731
+    return fwd, bwd
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", choices=list(SCALES), default="350m")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args(argv)
+    d, layers, M = SCALES[args.scale]
+    S = 2 * layers // 8
+    defaults = (dict(tr.TILE_ELEMENTS), dict(tr.WARPS), tr.SITE_LOOP_MIN_SITES, tr.SITE_LOOP_MIN_SOURCES)
+    path = os.path.join(args.out, "tune_tiles.csv")
+    with open(path, "a", newline="") as fh:
+        w = csv.DictWriter(fh, FIELDS)
+        if fh.tell() == 0:
+            w.writeheader()
+
+        def emit(row):
+            row = dict(scale=args.scale, **row)
+            w.writerow(row)
+            fh.flush()
+            print(json.dumps(row), flush=True)
+
+        shapes = [(f"phase1-N8-S{S}-H8", 8, S, 8), (f"phase1-N8-S{S}-H1", 8, S, 1), (f"full-N{2 * layers + 1}-S1-H8", 2 * layers + 1, 1, 8)]
+        for name, n, sites, heads in shapes:
+            data = make(M, d, n, sites, heads)
+            fwd, bwd = runner(*data, heads)
+            ref_out, ref_grads = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in bwd()]
+            for kind, configs in CONFIGS.items():
+                for elements, warps in configs:
+                    tr.TILE_ELEMENTS.update(defaults[0])
+                    tr.WARPS.clear()
+                    tr.TILE_ELEMENTS[kind], tr.WARPS[kind] = elements, warps
+                    row = dict(shape=name, kind=kind, elements=elements, warps=warps)
+                    try:
+                        if kind == "fwd":
+                            diff = max(rel(o, r) for o, r in zip(fwd()[0], ref_out))
+                            fn = fwd
+                        else:
+                            f2, b2 = runner(*data, heads)
+                            diff = max(rel(g, r) for g, r in zip(b2(), ref_grads))
+                            fn = b2
+                        row["rel_diff"] = f"{diff:.1e}"
+                        if diff > 1e-2:
+                            row["status"] = "FAILED check"
+                        else:
+                            row.update(ms=f"{do_bench(fn, warmup=5, rep=50, return_mode='median'):.4f}", status="ok")
+                    except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a result
+                        row.update(status=f"error {e!r}"[:160])
+                    emit(row)
+            del data, fwd, bwd, ref_out, ref_grads
+            tr.TILE_ELEMENTS.update(defaults[0])
+            tr.WARPS.clear()
+            torch.cuda.empty_cache()
+
+        # one site over N sources: two-pass against site-loop backward
+        for n in sorted({9, 13, 17, 25, 33, 2 * layers + 1}):
+            for heads in (1, 8):
+                data = make(M, d, n, 1, heads, seed=n)
+                grads = {}
+                for kind, rule in (("twopass", (10**9, 10**9)), ("siteloop", (1, 1))):
+                    tr.SITE_LOOP_MIN_SITES, tr.SITE_LOOP_MIN_SOURCES = rule
+                    _, b = runner(*data, heads)
+                    grads[kind] = b()
+                    diff = max(rel(g, r) for g, r in zip(grads[kind], grads["twopass"]))
+                    emit(dict(shape=f"one-site-N{n}-H{heads}", kind=f"bwd_{kind}", rel_diff=f"{diff:.1e}",
+                              ms=f"{do_bench(b, warmup=5, rep=50, return_mode='median'):.4f}" if diff < 1e-2 else "", status="ok" if diff < 1e-2 else "FAILED check"))
+                tr.SITE_LOOP_MIN_SITES, tr.SITE_LOOP_MIN_SOURCES = defaults[2], defaults[3]
+                del data, grads
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
