@@ -36,9 +36,9 @@ if DEVICE == "cpu":
         fn()
         return float("nan")
 CONFIGS = {
-    "fwd": list(itertools.product((4096, 8192, 16384), (4, 8, 16))),
-    "bwd_stats": list(itertools.product((2048, 4096, 8192), (4, 8))),
-    "bwd_sources": list(itertools.product((2048, 4096, 8192, 16384), (4, 8, 16))),
+    "fwd": list(itertools.product((2048, 4096, 8192), (2, 4, 8))),
+    "bwd_stats": list(itertools.product((1024, 2048, 4096), (2, 4, 8))),
+    "bwd_sources": list(itertools.product((1024, 2048, 4096), (2, 4, 8))),
 }
 FIELDS = ["scale", "shape", "kind", "elements", "warps", "ms", "rel_diff", "status"]
 

@@ -54,21 +54,24 @@ from lit_mhar.kernels.reference import check_decode_args, check_route_args
 
 # Largest padded width (next power of two of d) one program keeps in registers.
 MAX_BLOCK_D = 16384
-# Tile of one program: sites x tokens x padded width fp32 elements of the accumulator (forward)
-# and of the gradient tile (backward), spread over bs*rows*width/512 warps (4 to 16), i.e. 16
-# elements per thread. ``MAX_TILE_ELEMENTS`` caps sites x width of the two-pass backward, which
-# holds every site's gradient of a token (one token per program); it runs single sites only,
-# unless ``SITE_LOOP_MIN_SITES`` is raised (benchmarks compare the two that way).
-TILE_ELEMENTS = {"fwd": 8192, "bwd": 4096, "bwd_stats": 4096, "bwd_sources": 4096}
+# Tile of one program, by launch kind: sites x tokens x padded width fp32 elements of the
+# accumulator (forward) or of the gradient tile (backward), spread over warps (4 to 16) at
+# ``ELEMENTS_PER_THREAD`` each. Forward and site-loop sizes are the best measured at 350m shapes on
+# an H200 (benchmarks/tune_tiles.py, BENCHMARKS.md): small tiles, 4 warps. ``MAX_TILE_ELEMENTS``
+# caps sites x width of the two-pass backward, which holds every site's gradient of a token (one
+# token per program); it runs single sites only, unless ``SITE_LOOP_MIN_SITES`` is raised
+# (benchmarks compare the two that way).
+TILE_ELEMENTS = {"fwd": 4096, "bwd": 4096, "bwd_stats": 2048, "bwd_sources": 2048}
+ELEMENTS_PER_THREAD = {"fwd": 32, "bwd": 16, "bwd_stats": 16, "bwd_sources": 16}
 # Warps per program by launch kind where set (benchmarks/tune_tiles.py tries them); else from the tile.
 WARPS: dict[str, int] = {}
 MAX_TILE_ELEMENTS = 8192
 # Backward passes over at least this many sites, or of one site over at least this many sources
 # (replacement form, no prior), use the site-loop kernels (``_backward_site_loop``), which hold one
-# site's gradient at a time and spread the sources over programs (BENCHMARKS.md: faster at 49
-# sources, slower at 9 with H = 1, 350m shapes).
+# site's gradient at a time and spread the sources over programs (BENCHMARKS.md, 350m shapes: as
+# fast at 9 sources with H = 1, faster with H = 8 and at every larger N measured).
 SITE_LOOP_MIN_SITES = 2
-SITE_LOOP_MIN_SOURCES = 16
+SITE_LOOP_MIN_SOURCES = 9
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -261,12 +264,13 @@ def _route_bwd_stats(
     w_ptr, n_sites,
     g_base, g_offs,
     lse_ptr, dlse_ptr,
-    dsum_ptr, dw_ptr,
+    dsum_ptr, dw_ptr, sa_ptr,
     M, eps, num_tiles, progs_per_site,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
     BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    # Site-loop backward, pass one: per (site, token) D = sum_i alpha_i <dr, v_i>_h - dlse, and
+    # Site-loop backward, pass one: per (site, token) D = sum_i alpha_i <dr, v_i>_h - dlse (and the
+    # score s_i and a_i = <dr, v_i>_h of every source, stored for pass two: [S, N, M, H, 2]), and
     # this program's share of dw = sum_tokens sum_i ds_i rstd_i v_i, which one loop gives as
     # sum_tokens (X - D * Y) with X = sum_i alpha_i a_i rstd_i v_i, Y = sum_i alpha_i rstd_i v_i.
     # Program pid serves site pid % n_sites (the sites of a tile run side by side and share its
@@ -301,8 +305,12 @@ def _route_bwd_stats(
             v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
             sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
             rstd = 1.0 / tl.sqrt(sq / D + eps)  # [1, BM, 1, 1]
-            alpha = tl.exp(tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd - lse)  # [1, BM, BH, 1]
+            sc = tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd  # [1, BM, BH, 1]
+            alpha = tl.exp(sc - lse)
             a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
+            sa_off = ((tl.cast(site, tl.int64) * n_src + i) * M * H + hm_off) * 2
+            tl.store(sa_ptr + sa_off, sc, mask=hmask)
+            tl.store(sa_ptr + sa_off + 1, a, mask=hmask)
             dsum += alpha * a
             ar = alpha * rstd
             xacc += (ar * a) * v
@@ -318,7 +326,7 @@ def _route_bwd_sources(
     src_base, src_offs, n_src,
     w_ptr, n_sites,
     g_base, g_offs,
-    lse_ptr, dsum_ptr,
+    lse_ptr, dsum_ptr, sa_ptr,
     dsrc_ptr,
     M, eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
@@ -327,7 +335,8 @@ def _route_bwd_sources(
     # Site-loop backward, pass two: one program per (token tile, source), the source varying
     # fastest (the programs of a tile share the sites' gradient tiles through L2). The source tile
     # stays in registers while the sites go by:
-    #   dv = sum_s alpha_s dr_s + rstd ds_s w_s - v rstd^2 sum_s sum_h ds_s s_s / d.
+    #   dv = sum_s alpha_s dr_s + rstd ds_s w_s - v rstd^2 sum_s sum_h ds_s s_s / d,
+    # with the scores s_s and <dr_s, v>_h that pass one stored: no reduction over lanes per site.
     pid = tl.program_id(0)
     i = pid % n_src
     rows = tl.cast(pid // n_src, tl.int64) * BM + tl.arange(0, BM)[None, :, None, None]
@@ -344,7 +353,7 @@ def _route_bwd_sources(
     sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
     rstd = 1.0 / tl.sqrt(sq / D + eps)  # [1, BM, 1, 1]
     dv = tl.full([1, BM, BH, BDH], 0.0, tl.float32)
-    t = tl.full([1, BM, 1, 1], 0.0, tl.float32)
+    t = tl.full([1, BM, BH, 1], 0.0, tl.float32)
     g_off = tl.multiple_of(tl.load(g_offs), G_ALIGN)
     dr_next = tl.load(g_base + g_off + x_off, mask=xmask, other=0.0)
     for s in range(n_sites):
@@ -353,11 +362,13 @@ def _route_bwd_sources(
         dr_next = tl.load(g_base + g_off + x_off, mask=(rows < tl.where(s + 1 < n_sites, M, 0)) & cmask, other=0.0)
         w = tl.load(w_ptr + s * D + col, mask=cmask, other=0.0)  # [1, 1, BH, BDH]
         sh_off = tl.cast(s, tl.int64) * M * H + hm_off
-        sc = tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd  # [1, BM, BH, 1]
+        sa_off = ((tl.cast(s, tl.int64) * n_src + i) * M * H + hm_off) * 2
+        sc = tl.load(sa_ptr + sa_off, mask=hmask, other=0.0)  # [1, BM, BH, 1]
         alpha = tl.exp(sc - tl.load(lse_ptr + sh_off, mask=hmask, other=0.0))
-        ds = alpha * (tl.reduce(dr * v, 3, _ADD, keep_dims=True) - tl.load(dsum_ptr + sh_off, mask=hmask, other=0.0))
+        ds = alpha * (tl.load(sa_ptr + sa_off + 1, mask=hmask, other=0.0) - tl.load(dsum_ptr + sh_off, mask=hmask, other=0.0))
         dv += alpha * dr + (rstd * ds) * w
-        t += tl.reduce(ds * sc, 2, _ADD, keep_dims=True)
+        t += ds * sc
+    t = tl.reduce(t, 2, _ADD, keep_dims=True)  # [1, BM, 1, 1]
     dv -= v * (rstd * rstd * t / D)
     tl.store(dsrc_ptr + tl.cast(i, tl.int64) * M * D + x_off, dv.to(dsrc_ptr.dtype.element_ty), mask=xmask)
 
@@ -494,7 +505,7 @@ def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple
     rows = 1 << (rows.bit_length() - 1)  # a power of two, rounded down
     if interpret:
         return bs, rows, 4, bh, bdh
-    warps = WARPS.get(kind, max(4, min(16, bs * rows * bd // 512)))
+    warps = WARPS.get(kind, max(4, min(16, bs * rows * bd // (32 * ELEMENTS_PER_THREAD[kind]))))
     return bs, rows, warps, bh, bdh
 
 
@@ -646,6 +657,7 @@ def _backward_site_loop(
     w = (queries.float() * gains.float()).contiguous()
     src_offs, g_offs = _offsets(srcs, base), _offsets(grads, grads[0])
     dsum = _new(lse.shape, torch.float32, device)
+    score_a = _new((n_sites, n_src, *lse.shape[1:], 2), torch.float32, device)  # s_i and <dr, v_i>_h per site and source
     dw = _new((per_site * n_sites, d), torch.float32, device)
     dsrc = _new((n_src, *shape), like.dtype, device)
     geometry = dict(D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size())
@@ -653,13 +665,13 @@ def _backward_site_loop(
     _kernel("bwd_stats", interpret)[(per_site * n_sites,)](
         base, src_offs, n_src, w, n_sites, grads[0], g_offs,
         lse, grad_lse.contiguous() if grad_lse is not None else w,
-        dsum, dw,
+        dsum, dw, score_a,
         M, eps, num_tiles, per_site,
         **geometry, BM=bm, HAS_DLSE=grad_lse is not None, num_warps=warps,
     )
     _kernel("bwd_sources", interpret)[(triton.cdiv(M, bm_src) * n_src,)](
         base, src_offs, n_src, w, n_sites, grads[0], g_offs,
-        lse, dsum, dsrc,
+        lse, dsum, score_a, dsrc,
         M, eps,
         **geometry, BM=bm_src, num_warps=warps_src,
     )
