@@ -215,8 +215,8 @@ def test_site_loop_backward_is_deterministic():
     with use_backend("triton"):
         sources, *_ = make_case(5, 4, 96, 301, torch.float32, False, seed=6)
         g = torch.Generator().manual_seed(6)
-        queries, gains = torch.randn(3, 96, generator=g), 1 + 0.3 * torch.randn(3, 96, generator=g)
-        douts, dlse = torch.randn(3, 301, 96, generator=g), torch.randn(3, 301, 4, generator=g)
+        queries, gains = torch.randn(3, 96, generator=g).to(DEVICE), (1 + 0.3 * torch.randn(3, 96, generator=g)).to(DEVICE)
+        douts, dlse = torch.randn(3, 301, 96, generator=g).to(DEVICE), torch.randn(3, 301, 4, generator=g).to(DEVICE)
         leaves = [x.requires_grad_() for x in [*sources, queries, gains]]
         runs = []
         for _ in range(2):
