@@ -67,9 +67,9 @@ ELEMENTS_PER_THREAD = {"fwd": 32, "bwd": 16, "bwd_stats": 16, "bwd_sources": 16}
 WARPS: dict[str, int] = {}
 MAX_TILE_ELEMENTS = 8192
 # Backward passes over at least this many sites, or of one site over at least this many sources
-# (replacement form, no prior), use the site-loop kernels (``_backward_site_loop``), which hold one
-# site's gradient at a time and spread the sources over programs (BENCHMARKS.md, 350m shapes: as
-# fast at 9 sources with H = 1, faster with H = 8 and at every larger N measured).
+# (either form, no prior), use the site-loop kernels (``_backward_site_loop``), which hold one
+# site's gradient at a time and spread the sources over programs (BENCHMARKS.md, 350m shapes,
+# replacement form: as fast at 9 sources with H = 1, faster with H = 8 and at every larger N).
 SITE_LOOP_MIN_SITES = 2
 SITE_LOOP_MIN_SOURCES = 9
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
@@ -264,10 +264,11 @@ def _route_bwd_stats(
     w_ptr, n_sites,
     g_base, g_offs,
     lse_ptr, dlse_ptr,
+    gate_ptr, dgate_ptr,
     dsum_ptr, dw_ptr, sa_ptr,
     M, eps, num_tiles, progs_per_site,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
-    BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr,
+    BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr, ADDITIVE: tl.constexpr,
 ):
     # Site-loop backward, pass one: per (site, token) D = sum_i alpha_i <dr, v_i>_h - dlse (and the
     # score s_i and a_i = <dr, v_i>_h of every source, stored for pass two: [S, N, M, H, 2]), and
@@ -275,6 +276,8 @@ def _route_bwd_stats(
     # sum_tokens (X - D * Y) with X = sum_i alpha_i a_i rstd_i v_i, Y = sum_i alpha_i rstd_i v_i.
     # Program pid serves site pid % n_sites (the sites of a tile run side by side and share its
     # source tiles through L2) and tiles pid // n_sites, + progs_per_site, ... (fixed order).
+    # Additive form (one site): dr = gate * dout, and this program's share of
+    # d gate = sum_tokens dout * r, with r = sum_i alpha_i v_i formed on the way.
     pid = tl.program_id(0)
     site = pid % n_sites
     m_i = tl.arange(0, BM)[None, :, None, None]
@@ -285,6 +288,9 @@ def _route_bwd_stats(
     w = tl.load(w_ptr + site * D + col, mask=cmask, other=0.0)  # [1, 1, BH, BDH]
     g_off = tl.multiple_of(tl.load(g_offs + site), G_ALIGN)
     dw_acc = tl.full([1, 1, BH, BDH], 0.0, tl.float32)
+    if ADDITIVE:
+        gate = tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        dgate_acc = tl.full([1, 1, BH, BDH], 0.0, tl.float32)
     for tile in range(pid // n_sites, num_tiles, progs_per_site):
         rows = tl.cast(tile, tl.int64) * BM + m_i
         x_off = rows * D + col
@@ -292,7 +298,12 @@ def _route_bwd_stats(
         hm_off = rows * H + h_i
         hmask = (rows < M) & (h_i < H)
         sh_off = tl.cast(site, tl.int64) * M * H + hm_off
-        dr = tl.load(g_base + g_off + x_off, mask=xmask, other=0.0).to(tl.float32)  # [1, BM, BH, BDH]
+        dout = tl.load(g_base + g_off + x_off, mask=xmask, other=0.0).to(tl.float32)  # [1, BM, BH, BDH]
+        if ADDITIVE:
+            dr = dout * gate
+            racc = tl.full([1, BM, BH, BDH], 0.0, tl.float32)
+        else:
+            dr = dout
         lse = tl.load(lse_ptr + sh_off, mask=hmask, other=0.0)
         dsum = tl.full([1, BM, BH, 1], 0.0, tl.float32)
         xacc = tl.full([1, BM, BH, BDH], 0.0, tl.float32)
@@ -315,11 +326,17 @@ def _route_bwd_stats(
             ar = alpha * rstd
             xacc += (ar * a) * v
             yacc += ar * v
+            if ADDITIVE:
+                racc += alpha * v
         if HAS_DLSE:  # d lse_h enters every score like a constant shift of its D
             dsum -= tl.load(dlse_ptr + sh_off, mask=hmask, other=0.0)
         tl.store(dsum_ptr + sh_off, dsum, mask=hmask)
         dw_acc += tl.reduce(xacc - dsum * yacc, 1, _ADD, keep_dims=True)
+        if ADDITIVE:
+            dgate_acc += tl.reduce(dout * racc, 1, _ADD, keep_dims=True)
     tl.store(dw_ptr + tl.cast(pid, tl.int64) * D + col, dw_acc, mask=cmask)
+    if ADDITIVE:
+        tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col, dgate_acc, mask=cmask)
 
 
 def _route_bwd_sources(
@@ -327,10 +344,11 @@ def _route_bwd_sources(
     w_ptr, n_sites,
     g_base, g_offs,
     lse_ptr, dsum_ptr, sa_ptr,
+    gate_ptr,
     dsrc_ptr,
     M, eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
-    BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
+    BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, ADDITIVE: tl.constexpr,
 ):
     # Site-loop backward, pass two: one program per (token tile, source), the source varying
     # fastest (the programs of a tile share the sites' gradient tiles through L2). The source tile
@@ -356,8 +374,12 @@ def _route_bwd_sources(
     t = tl.full([1, BM, BH, 1], 0.0, tl.float32)
     g_off = tl.multiple_of(tl.load(g_offs), G_ALIGN)
     dr_next = tl.load(g_base + g_off + x_off, mask=xmask, other=0.0)
+    if ADDITIVE:  # one site: dr = gate * dout
+        gate = tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32)
     for s in range(n_sites):
         dr = dr_next.to(tl.float32)
+        if ADDITIVE:
+            dr = dr * gate
         g_off = tl.multiple_of(tl.load(g_offs + s + 1), G_ALIGN)
         dr_next = tl.load(g_base + g_off + x_off, mask=(rows < tl.where(s + 1 < n_sites, M, 0)) & cmask, other=0.0)
         w = tl.load(w_ptr + s * D + col, mask=cmask, other=0.0)  # [1, 1, BH, BDH]
@@ -584,8 +606,8 @@ def _backward(
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
     device = like.device
     interpret = device.type != "cuda"
-    if gate is None and prior_out is None and n_src > 0 and (n_sites >= SITE_LOOP_MIN_SITES or n_src >= SITE_LOOP_MIN_SOURCES):
-        return _backward_site_loop(sources, queries, gains, heads, eps, lse, grad_outs, grad_lse)
+    if prior_out is None and n_src > 0 and (n_sites >= SITE_LOOP_MIN_SITES or n_src >= SITE_LOOP_MIN_SOURCES):
+        return _backward_site_loop(sources, queries, gains, heads, eps, gate, lse, grad_outs, grad_lse)
     bs, bm, warps, bh, bdh = _tile("bwd", n_sites, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
     programs = min(num_tiles, 2 if interpret else _sm_count(device.index or 0) * max(1, 32 // warps))
@@ -630,15 +652,17 @@ def _backward(
 
 
 def _backward_site_loop(
-    sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
+    sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float, gate: Optional[Tensor],
     lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor],
 ) -> list[Tensor]:
-    """Backward of several sites of the replacement form (phase one of Block AttnRes) in two kernels.
+    """Backward of several sites (phase one of Block AttnRes), or of one site over many sources
+    (with ``gate``: the additive form), without a prior, in two kernels.
 
-    ``_route_bwd_stats`` (one program per site and range of token tiles) forms each site's ``D``
-    and query-gradient partials; ``_route_bwd_sources`` (one program per token tile and source)
-    then writes each source's gradient, looping over the sites. No tile holds more than one
-    site's gradient, so programs take several tokens whatever the number of sites.
+    ``_route_bwd_stats`` (one program per site and range of token tiles) forms each site's ``D``,
+    its scores and ``<dr, v_i>_h``, and query-gradient (and gate-gradient) partials;
+    ``_route_bwd_sources`` (one program per token tile and source) then writes each source's
+    gradient, looping over the sites. No tile holds more than one site's gradient, so programs
+    take several tokens whatever the number of sites, and the sources are spread over programs.
     """
     like = sources[0]
     shape, d = like.shape, like.shape[-1]
@@ -659,26 +683,30 @@ def _backward_site_loop(
     dsum = _new(lse.shape, torch.float32, device)
     score_a = _new((n_sites, n_src, *lse.shape[1:], 2), torch.float32, device)  # s_i and <dr, v_i>_h per site and source
     dw = _new((per_site * n_sites, d), torch.float32, device)
+    dgate = _new((per_site, d) if gate is not None else (0,), torch.float32, device)
     dsrc = _new((n_src, *shape), like.dtype, device)
+    gate_c = gate.contiguous() if gate is not None else w
     geometry = dict(D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size())
     lse = lse.contiguous()
     _kernel("bwd_stats", interpret)[(per_site * n_sites,)](
         base, src_offs, n_src, w, n_sites, grads[0], g_offs,
         lse, grad_lse.contiguous() if grad_lse is not None else w,
+        gate_c, dgate if gate is not None else w,
         dsum, dw, score_a,
         M, eps, num_tiles, per_site,
-        **geometry, BM=bm, HAS_DLSE=grad_lse is not None, num_warps=warps,
+        **geometry, BM=bm, HAS_DLSE=grad_lse is not None, ADDITIVE=gate is not None, num_warps=warps,
     )
     _kernel("bwd_sources", interpret)[(triton.cdiv(M, bm_src) * n_src,)](
         base, src_offs, n_src, w, n_sites, grads[0], g_offs,
-        lse, dsum, score_a, dsrc,
+        lse, dsum, score_a, gate_c, dsrc,
         M, eps,
-        **geometry, BM=bm_src, num_warps=warps_src,
+        **geometry, BM=bm_src, ADDITIVE=gate is not None, num_warps=warps_src,
     )
     dw = dw.view(per_site, n_sites, d).sum(0)  # fixed-order reduction over programs: deterministic
     q, g = queries.float(), gains.float()
-    empty = [torch.empty(0, dtype=torch.float32, device=device) for _ in range(3)]  # outputs may not alias
-    return [dsrc, (dw * g).to(queries.dtype), (dw * q).to(gains.dtype), *empty]
+    empty = [torch.empty(0, dtype=torch.float32, device=device) for _ in range(2)]  # outputs may not alias
+    dgate = dgate.sum(0).to(gate.dtype) if gate is not None else dgate  # fixed order, like dw
+    return [dsrc, (dw * g).to(queries.dtype), (dw * q).to(gains.dtype), dgate, *empty]
 
 
 # ----------------------------------------------------------------------------------------------

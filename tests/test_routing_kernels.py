@@ -245,12 +245,13 @@ def tiny_model(residual, heads, block_size, n_layer=3):
 
 
 @pytest.mark.parametrize(
-    "residual,heads,block_size",
-    [("attnres", 2, 1), ("attnres", 4, 3), ("delta", 2, 2), ("delta", 8, 1)],
-    ids=["full-H2", "block-S3-H4-two-phase", "delta-block-S2-H2-two-phase", "delta-full-H8"],
+    "residual,heads,block_size,n_layer",
+    [("attnres", 2, 1, 3), ("attnres", 4, 3, 3), ("delta", 2, 2, 3), ("delta", 8, 1, 3), ("attnres", 2, 1, 5), ("delta", 4, 1, 5)],
+    # 5 layers: the last sites route over 9-11 sources, where the site-loop backward takes over
+    ids=["full-H2", "block-S3-H4-two-phase", "delta-block-S2-H2-two-phase", "delta-full-H8", "full-H2-11-sources", "delta-full-H4-11-sources"],
 )
-def test_model_on_triton_path_matches_reference_path(residual, heads, block_size):
-    model = tiny_model(residual, heads, block_size)
+def test_model_on_triton_path_matches_reference_path(residual, heads, block_size, n_layer):
+    model = tiny_model(residual, heads, block_size, n_layer=n_layer)
     idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     results = {}
     for backend in ("reference", "triton"):
