@@ -404,12 +404,14 @@ def _decode_route_norm(
     CH: tl.constexpr, NSP: tl.constexpr, PHASE: tl.constexpr,
     HAS_PENDING: tl.constexpr, ACCUMULATE: tl.constexpr, ADDITIVE: tl.constexpr,
 ):
-    # PHASE 0: program (token) routes all its slots in one [CH, head, lane] tile and finishes.
-    # PHASE 1: program (token, k) routes slots k*CH .. k*CH + CH - 1 and writes its partial
-    # (acc, max, sum per head, float32); PHASE 2: program (token) merges the n_split partials in
-    # order (online softmax) and finishes. Finishing: the additive form, the next RMSNorm, the store.
-    # The pending sublayer output is the newest slot (n_buf): added into its slot by the program
-    # whose tile holds it, then routed as stored, like the training path's partial sum.
+    # PHASE 0: one program per token: CH slots per iteration ([CH, head, lane] tiles, all loads of
+    # an iteration in flight at once), online softmax per head, then the pending sublayer output
+    # as the newest source (added into its slot on the way), then finishing.
+    # PHASE 1 (long histories): program (token, k) routes slots k*CH .. k*CH + CH - 1, the pending
+    # output among them in the last tile, and writes its partial (acc, max, sum per head, float32);
+    # PHASE 2: program (token) merges the n_split partials in order and finishes.
+    # Finishing: the additive form, the next RMSNorm, the store. The pending output is routed as
+    # stored, like the training path's partial sum.
     tok = tl.program_id(0)
     row = tl.cast(tok, tl.int64) * D
     h_i = tl.arange(0, BH)[None, :, None]
@@ -427,6 +429,43 @@ def _decode_route_norm(
         m = tl.reduce(m_k, 0, _MAX, keep_dims=True)
         scale = tl.where(kmask, tl.exp(m_k - m), 0.0)
         r = tl.reduce(acc_k * scale, 0, _ADD, keep_dims=True) / tl.reduce(l_k * scale, 0, _ADD, keep_dims=True)
+    elif PHASE == 0:
+        c_i = tl.arange(0, CH)[:, None, None]
+        w = tl.load(q_ptr + col, mask=cmask, other=0.0).to(tl.float32) * tl.load(g_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        m_run = tl.full([1, BH, 1], float("-inf"), tl.float32)
+        l_run = tl.full([1, BH, 1], 0.0, tl.float32)
+        acc = tl.full([1, BH, BDH], 0.0, tl.float32)
+        for c0 in range(0, n_buf, CH):
+            slot = c0 + c_i
+            smask = slot < n_buf
+            v = tl.load(hist_ptr + tl.cast(slot, tl.int64) * slot_stride + row + col, mask=smask & cmask, other=0.0).to(tl.float32)
+            sq = tl.reduce(tl.reduce(v * v, 2, _ADD, keep_dims=True), 1, _ADD, keep_dims=True)  # [CH, 1, 1]
+            sc = tl.reduce(w * v, 2, _ADD, keep_dims=True) / tl.sqrt(sq / D + eps)  # [CH, BH, 1]
+            sc = tl.where(smask, sc, float("-inf"))
+            m_new = tl.maximum(m_run, tl.reduce(sc, 0, _MAX, keep_dims=True))
+            p = tl.exp(sc - m_new)
+            scale = tl.exp(m_run - m_new)
+            l_run = l_run * scale + tl.reduce(p, 0, _ADD, keep_dims=True)
+            acc = acc * scale + tl.reduce(p * v, 0, _ADD, keep_dims=True)
+            m_run = m_new
+        if HAS_PENDING:
+            slot_ptr = hist_ptr + tl.cast(n_buf, tl.int64) * slot_stride + row + col
+            o = tl.load(pend_ptr + row + col, mask=cmask, other=0.0).to(tl.float32)
+            if ACCUMULATE:
+                o += tl.load(slot_ptr, mask=cmask, other=0.0).to(tl.float32)
+                # threads holding copies of one element (narrow d) must all have read it before any writes
+                tl.debug_barrier()
+            o = o.to(hist_ptr.dtype.element_ty)
+            tl.store(slot_ptr, o, mask=cmask)
+            o = o.to(tl.float32)  # routed as stored, like the training path's partial sum
+            sq = tl.reduce(tl.reduce(o * o, 2, _ADD, keep_dims=True), 1, _ADD, keep_dims=True)
+            sc = tl.reduce(w * o, 2, _ADD, keep_dims=True) / tl.sqrt(sq / D + eps)  # [1, BH, 1]
+            m_new = tl.maximum(m_run, sc)
+            p = tl.exp(sc - m_new)
+            scale = tl.exp(m_run - m_new)
+            l_run = l_run * scale + p
+            acc = acc * scale + p * o
+        r = acc / l_run
     else:
         slot = tl.program_id(1) * CH + tl.arange(0, CH)[:, None, None]  # [CH, 1, 1]
         slot_off = tl.cast(slot, tl.int64) * slot_stride + row + col
@@ -452,14 +491,11 @@ def _decode_route_norm(
         p = tl.exp(sc - m)
         l = tl.reduce(p, 0, _ADD, keep_dims=True)
         acc = tl.reduce(p * v, 0, _ADD, keep_dims=True)  # [1, BH, BDH]
-        if PHASE == 1:
-            pk = tl.cast(tl.program_id(1) * M + tok, tl.int64)
-            tl.store(part_ptr + pk * D + col, acc, mask=cmask)
-            ml_off = (pk * H + h_i) * 2
-            tl.store(part_ml_ptr + ml_off, m, mask=h_i < H)
-            tl.store(part_ml_ptr + ml_off + 1, l, mask=h_i < H)
-        else:
-            r = acc / l
+        pk = tl.cast(tl.program_id(1) * M + tok, tl.int64)
+        tl.store(part_ptr + pk * D + col, acc, mask=cmask)
+        ml_off = (pk * H + h_i) * 2
+        tl.store(part_ml_ptr + ml_off, m, mask=h_i < H)
+        tl.store(part_ml_ptr + ml_off + 1, l, mask=h_i < H)
     if PHASE != 1:
         if ADDITIVE:
             x = tl.load(stream_ptr + row + col, mask=cmask, other=0.0).to(tl.float32)
@@ -919,8 +955,11 @@ def _route_norm_decode_op(
     # slots per program: the whole depth history of a block-routed model in one tile (fewer at very
     # wide d); longer histories (full routing) are split over programs and merged by a second launch
     n_total = n_sources + (pending is not None)
-    chunk = min(triton.next_power_of_2(n_total), max(1, DECODE_CHUNK * 2048 // max(bd, 2048)))
-    n_split = triton.cdiv(n_total, chunk)
+    cap = max(1, DECODE_CHUNK * 2048 // max(bd, 2048))
+    n_split = triton.cdiv(n_total, cap)
+    # one program: the slots before the pending one in one tile (measured faster for block routing
+    # than taking the pending output into the tile, BENCHMARKS.md); split: tiles of cap slots
+    chunk = min(triton.next_power_of_2(n_sources), cap) if n_split == 1 else cap
     dummy = query
     if n_split > 1:
         part = torch.empty((n_split, M, d), dtype=torch.float32, device=history.device)
