@@ -25,7 +25,9 @@ import time
 import torch
 from triton.testing import do_bench
 
-from lit_mhar import LM, ModelConfig
+from lit_mhar import LM, ModelConfig, routing
+
+FULL_ROUTING_GROUP = routing.FULL_ROUTING_GROUP
 
 DATASHEET_TFLOPS = 989.0
 SCALES = {"100m": (64, 2048, 12), "350m": (32, 1024, 24), "1b": (32, 1024, 36), "debug": (2, 64, 4)}  # batch, seq, layers
@@ -36,6 +38,9 @@ VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L su
     "mhar-block8-H8": dict(residual="attnres", heads=8, block_size="8blocks"),
     "delta-full-H8": dict(residual="delta", heads=8, block_size=1),
     "delta-block8-H8": dict(residual="delta", heads=8, block_size="8blocks"),
+    # full routing site by site (no two-phase groups): what full routing ran before the groups
+    "mhar-full-H8-persite": dict(residual="attnres", heads=8, block_size=1, full_routing_group=1),
+    "delta-full-H8-persite": dict(residual="delta", heads=8, block_size=1, full_routing_group=1),
     "hyper-dhc-n4": dict(residual="hyper", hc_rate=4, hc_dynamic=True),  # its connections run eagerly, like routing
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "mfu_datasheet", "mfu_measured",
@@ -63,6 +68,8 @@ def training_step(scale, overrides, batch, seq, compile_):
     (bf16 autocast, cross-entropy on fixed random tokens, clipping, fused AdamW) that returns the loss."""
     layers = SCALES[scale][2]
     kw = dict(overrides)
+    # full routing's two-phase group size is a module setting, not a config field: set per variant
+    routing.FULL_ROUTING_GROUP = kw.pop("full_routing_group", FULL_ROUTING_GROUP)
     if kw.get("block_size") == "8blocks":
         kw["block_size"] = 2 * layers // 8
     cfg = ModelConfig.from_name(scale, **kw)

@@ -276,7 +276,7 @@ class LM(nn.Module):
             ``torch.utils.checkpoint`` (non-reentrant) and recompute them in the backward pass.
             Saved between forward and backward are then only each sublayer's inputs: the residual
             stream (prenorm, delta) and the depth history's sources (the embedding, sublayer
-            outputs or block sums and partial blocks; with two-phase block routing also each
+            outputs or block sums and partial blocks; with two-phase routing also each
             site's phase-one result), about one or two ``[B, T, d]`` tensors per sublayer instead of
             every intermediate of attention, the MLP and the routing op. With Hyper-Connections the
             whole hyper-connected sublayer is recomputed and its input, the n copies ``[B, T, n, d]``,
@@ -323,8 +323,8 @@ class LM(nn.Module):
         ``pos .. pos + T - 1``: their keys and values are written into the cache and they attend to
         every cached position before them, so a prompt can be prefilled in one call (``pos=0``) and
         then decoded one token per call. Depth routing is per token, over the token's own
-        sublayer outputs: the prefill uses the training's routing op (two-phase block routing on
-        the fused kernels, AttnRes Sec. 4); later steps without gradients keep the depth history in
+        sublayer outputs: the prefill uses the training's routing op (two-phase routing on the
+        fused kernels, AttnRes Sec. 4); later steps without gradients keep the depth history in
         one buffer (:class:`DecodeHistory`) and route each site together with the next RMSNorm in
         one op (:func:`lit_mhar.kernels.route_norm_decode`). ``pos`` is an int, or a 0-d int64 tensor on
         the model's device for decode steps a CUDA graph replays (then it is not range-checked).
@@ -355,9 +355,10 @@ class LM(nn.Module):
             if decoding:  # one buffer for the depth history, one fused route + norm op per site
                 history = DecodeHistory(x.to(dtype), self.cfg.block_size, 2 * self.cfg.n_layer)
             else:
-                # Block routing on the fused kernels takes the two-phase path (one pass over the
-                # completed blocks per block); the reference path and probes route site by site.
-                two_phase = self.cfg.block_size > 1 and not return_routing and resolve_backend(x) == "triton"
+                # On the fused kernels routing takes the two-phase path (one pass over the complete
+                # sources per block, or per group of sites in full routing); the reference path
+                # and probes route site by site.
+                two_phase = not return_routing and resolve_backend(x) == "triton"
                 history = DepthHistory(x.to(dtype), self.cfg.block_size, self.routing_sites(), two_phase)
         h = None if self.cfg.residual == "attnres" else x
         if self.cfg.residual == "hyper":  # the hyper hidden matrix H^0: n copies of the embedding [B, T, n, d]

@@ -22,6 +22,11 @@ from torch import Tensor, nn
 from lit_mhar.kernels import depth_route, merge_route, route_norm_decode, route_sites
 
 
+# Sites of full routing (S = 1) routed together in phase one of the two-phase computation: each
+# complete source is read once per group, not once per site (BENCHMARKS.md).
+FULL_ROUTING_GROUP = 8
+
+
 class DepthHistory:
     """The sources routing sites read: embedding, completed block sums, partial block.
 
@@ -29,33 +34,45 @@ class DepthHistory:
     ``(l + 1) % block_size == 0``. A model whose 2L sublayers are not a multiple of S ends on a
     shorter block, which the final routing site sees as the partial block.
 
-    With ``two_phase`` (Block AttnRes, S > 1), :meth:`route` computes each block's routing in two
-    phases: when the block starts, all of its sites are routed against the completed blocks in
-    one pass (their pseudo-queries do not depend on the input), which reads every completed block
-    once instead of once per site; each site then merges that result with the partial block by an
-    online-softmax step (AttnRes, Sec. 4). The result equals per-site routing over
-    :meth:`sources` up to rounding (float64: to 1e-12).
+    With ``two_phase``, :meth:`route` computes the routing of each group of sites in two phases
+    (AttnRes, Sec. 4): when the group starts, all of its sites are routed against the sources
+    complete at that moment in one pass (their pseudo-queries do not depend on the input), which
+    reads each of those sources once instead of once per site; each site then merges that result
+    by an online-softmax step with what was added since (the partial block; in full routing the
+    sublayer outputs since the group started). A group is a block (Block AttnRes, S > 1) or
+    ``FULL_ROUTING_GROUP`` consecutive sites (full routing, S = 1). The result equals per-site
+    routing over :meth:`sources` up to rounding (float64: to 1e-12).
 
     Args:
         embedding: ``[..., d]`` token embedding (source 0).
         block_size: S >= 1 sublayers per block.
         sites: the model's routing sites in depth order (site ``l`` runs before sublayer ``l``;
             the last one before the LM head); needed for ``two_phase``.
-        two_phase: route blocks in two phases as above (ignored when S = 1 or without ``sites``).
+        two_phase: route groups of sites in two phases as above (ignored without ``sites``).
+        group_size: sites per group; default S, or ``FULL_ROUTING_GROUP`` when S = 1. 1 routes
+            site by site.
+
+    Raises:
+        ValueError: ``block_size`` or ``group_size`` below 1.
     """
 
     def __init__(
-        self, embedding: Tensor, block_size: int, sites: Optional[Sequence["RoutingSite"]] = None, two_phase: bool = False
+        self, embedding: Tensor, block_size: int, sites: Optional[Sequence["RoutingSite"]] = None, two_phase: bool = False,
+        group_size: Optional[int] = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"DepthHistory: block_size={block_size} must be >= 1")
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"DepthHistory: group_size={group_size} must be >= 1 (or None for the default)")
         self.block_size = block_size
+        self.group_size = group_size or (block_size if block_size > 1 else FULL_ROUTING_GROUP)
         self.blocks: list[Tensor] = [embedding]
         self.partial: Optional[Tensor] = None
         self.n_appended = 0
         self.sites = list(sites) if sites is not None else None
-        self.two_phase = bool(two_phase) and block_size > 1 and self.sites is not None
-        self._inter: dict[int, tuple[Tensor, Tensor]] = {}  # site -> (routed completed blocks, lse)
+        self.two_phase = bool(two_phase) and self.group_size > 1 and self.sites is not None
+        # site -> (phase-one routed value, its lse, how many of self.blocks phase one covered)
+        self._inter: dict[int, tuple[Tensor, Tensor, int]] = {}
         self._frozen = False  # a snapshot() for one site: read-only, routes that site any number of times
 
     def sources(self) -> list[Tensor]:
@@ -87,12 +104,13 @@ class DepthHistory:
             return site(self, stream, return_weights=return_weights)
         index = self.n_appended
         if index not in self._inter:
-            self._route_completed_blocks(index)
-        prior_out, prior_lse = self._inter[index] if self._frozen else self._inter.pop(index)
-        if self.partial is None and site.gate is None:
-            return prior_out  # first site of a block: the completed blocks are all it sees
+            self._route_group(index)
+        prior_out, prior_lse, covered = self._inter[index] if self._frozen else self._inter.pop(index)
+        newer = self.blocks[covered:] + ([] if self.partial is None else [self.partial])
+        if not newer and site.gate is None:
+            return prior_out  # first site of a group: phase one covered all it sees
         return merge_route(
-            [] if self.partial is None else [self.partial],
+            newer,
             site.query,
             site.key_gain,
             site.heads,
@@ -120,19 +138,19 @@ class DepthHistory:
         if self.two_phase:
             index = self.n_appended
             if index not in self._inter:
-                self._route_completed_blocks(index)
+                self._route_group(index)
             view._inter[index] = self._inter.pop(index)
         return view
 
-    def _route_completed_blocks(self, first: int) -> None:
-        """Phase one for sites ``first`` .. end of their block: one pass over the completed blocks."""
-        last = min(first - first % self.block_size + self.block_size, len(self.sites))
+    def _route_group(self, first: int) -> None:
+        """Phase one for sites ``first`` .. end of their group: one pass over the complete sources."""
+        last = min(first - first % self.group_size + self.group_size, len(self.sites))
         group = self.sites[first:last]
         queries = torch.stack([s.query for s in group])
         gains = torch.stack([s.key_gain for s in group])
         outs, lse = route_sites(self.blocks, queries, gains, group[0].heads, group[0].eps)
         for j in range(len(group)):
-            self._inter[first + j] = (outs[j], lse[j])
+            self._inter[first + j] = (outs[j], lse[j], len(self.blocks))
 
 class DecodeHistory:
     """The depth history of tokens being decoded, in one buffer; each site routes and normalises in one op.

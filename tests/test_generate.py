@@ -117,7 +117,7 @@ def test_full_forward_still_matches_the_float64_equations_with_the_cache_code_in
 
 @pytest.mark.parametrize("residual,block_size", [("attnres", 2), ("delta", 4), ("attnres", 1)])
 def test_cached_decoding_on_the_fused_kernel_path(residual, block_size, monkeypatch):
-    """The Triton kernels (CPU interpreter): the prefill takes the two-phase block path, each decode
+    """The Triton kernels (CPU interpreter): the prefill takes the two-phase path, each decode
     step one fused route + norm kernel per routing site, and the logits are the full forward's."""
     import lit_mhar.routing as routing
     from lit_mhar.kernels import triton_routing
@@ -136,8 +136,8 @@ def test_cached_decoding_on_the_fused_kernel_path(residual, block_size, monkeypa
             cached = decode_in_pieces(model, idx, [3, 1, 2], tensor_pos=True)
     torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
     sites = 2 * 2 + 1
-    blocks = -(-sites // block_size)
-    assert [s[1] for s in passes] == ([3] * blocks if block_size > 1 else []), "two-phase prefill: phase one once per block"
+    groups = -(-sites // (block_size if block_size > 1 else routing.FULL_ROUTING_GROUP))
+    assert [s[1] for s in passes] == [3] * groups, "two-phase prefill: phase one once per block (group of sites)"
     # slots before the newest output, per site: the embedding, then one more per completed block
     expected = [1] + [1 + (l - 1) // block_size for l in range(1, sites)]
     assert fused == expected * 2, "one fused op per site in each of the two decode steps"

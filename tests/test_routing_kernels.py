@@ -282,6 +282,18 @@ def test_two_phase_model_calls_route_sites_once_per_block(monkeypatch):
     assert calls == [(1, 3), (2, 3), (3, 1)]
 
 
+def test_two_phase_full_routing_calls_route_sites_once_per_group(monkeypatch):
+    from lit_mhar import routing
+
+    model = tiny_model("attnres", 2, 1, n_layer=5)  # 10 sublayers + final site, groups of FULL_ROUTING_GROUP = 8
+    calls = []
+    original = routing.route_sites
+    monkeypatch.setattr(routing, "route_sites", lambda srcs, q, *a: calls.append((len(srcs), q.shape[0])) or original(srcs, q, *a))
+    with use_backend("triton"):
+        model(torch.randint(0, 97, (1, 5)).to(DEVICE))
+    assert routing.FULL_ROUTING_GROUP == 8 and calls == [(1, 8), (9, 3)]
+
+
 def test_compiled_model_has_no_graph_break_around_the_op():
     model = tiny_model("delta", 2, 2)
     idx = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(2)).to(DEVICE)
