@@ -1,11 +1,12 @@
-"""Fused Triton depth routing: one pass over the sources forward, two recomputing passes backward.
+"""Fused Triton depth routing: one pass over the sources forward, recomputing passes backward.
 
 Same math as :mod:`lit_mhar.kernels.reference` (AttnRes eqs. 2-6, MHAR heads, Delta AttnRes's
 additive form), extended in two ways that the model's Block AttnRes path uses:
 
-* **several sites per pass** (``S`` queries against the same sources): Block AttnRes's pseudo-queries
-  do not depend on the input, so every site of a block can be routed against the completed blocks
-  while each completed block is read once (the first phase of the two-phase computation);
+* **several sites per pass** (``S`` queries against the same sources): the pseudo-queries do not
+  depend on the input, so every site of a block (or of a group of full-routing sites) can be
+  routed against the sources complete at its start while each is read once (the first phase of
+  the two-phase computation);
 * **a prior**: a routed value ``o`` with its log-sum-exp ``lse`` per head, merged as if it were one
   more source whose score is ``lse`` (the second, online-softmax phase, which adds the block in
   progress). Merging is exact: softmax over {completed blocks, partial} equals the lse-weighted mix
@@ -28,6 +29,13 @@ written as ``[programs, S, d]`` partials that a fixed-order ``sum`` reduces: no 
 runs give bit-identical gradients. Sources are addressed through a table of int64 element offsets
 from the first source (no ``torch.stack``); every row offset is int64, so ``N * tokens * d`` may
 exceed ``2**31``.
+
+Two kernels run those passes. The two-pass kernel (``_route_bwd``, merges and short single sites)
+keeps a token's gradients of all sites of the pass in registers and runs both passes per tile.
+The site-loop kernels (``_route_bwd_stats`` then ``_route_bwd_sources``: several sites, or one
+site over many sources) hold one site's gradient at a time: the first runs one program per
+(site, range of tiles) and also stores every ``s_i`` and ``<dr, v_i>_h`` (``[S, N, M, H, 2]``
+float32), the second one program per (tile, source) with the sites in its loop.
 
 Decoding (no backward) has its own kernel, :func:`route_norm_decode`: one program per token loads
 up to ``DECODE_CHUNK`` slots at once from one ``[slots, tokens, d]`` buffer, adds the newest
