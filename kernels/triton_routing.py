@@ -434,6 +434,10 @@ def _decode_route_norm(
         ml_off = (pk * H + h_i) * 2
         m_k = tl.load(part_ml_ptr + ml_off, mask=kmask & (h_i < H), other=float("-inf"))  # [NSP, BH, 1]
         l_k = tl.load(part_ml_ptr + ml_off + 1, mask=kmask & (h_i < H), other=0.0)
+        # padding heads (H not a power of two) merge as max 0, sum 1: their r is 0, not 0 / 0
+        pad = kmask & (h_i >= H)
+        m_k = tl.where(pad, 0.0, m_k)
+        l_k = tl.where(pad, 1.0, l_k)
         m = tl.reduce(m_k, 0, _MAX, keep_dims=True)
         scale = tl.where(kmask, tl.exp(m_k - m), 0.0)
         r = tl.reduce(acc_k * scale, 0, _ADD, keep_dims=True) / tl.reduce(l_k * scale, 0, _ADD, keep_dims=True)
@@ -799,14 +803,17 @@ def route_bwd(
 @route_bwd.register_fake
 def _(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse):
     like = sources[0] if sources else prior_out
-    empty = queries.new_empty(0, dtype=torch.float32)
+
+    def empty():  # one per output: outputs may not alias each other
+        return queries.new_empty(0, dtype=torch.float32)
+
     return [
         like.new_empty((len(sources), *like.shape)),
         queries.new_empty(queries.shape),
         gains.new_empty(gains.shape),
-        gate.new_empty(gate.shape) if gate is not None else empty,
-        prior_out.new_empty(prior_out.shape) if prior_out is not None else empty,
-        prior_lse.new_empty(prior_lse.shape) if prior_lse is not None else empty,
+        gate.new_empty(gate.shape) if gate is not None else empty(),
+        prior_out.new_empty(prior_out.shape) if prior_out is not None else empty(),
+        prior_lse.new_empty(prior_lse.shape) if prior_lse is not None else empty(),
     ]
 
 
@@ -983,7 +990,7 @@ def _route_norm_decode_op(
     )
     flags = dict(
         D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, CH=chunk, NSP=triton.next_power_of_2(n_split),
-        HAS_PENDING=pending is not None, ACCUMULATE=bool(accumulate), ADDITIVE=stream is not None,
+        HAS_PENDING=pending is not None, ACCUMULATE=bool(accumulate) and pending is not None, ADDITIVE=stream is not None,
     )
     warps = 4 if interpret else (8 if chunk * bd >= 8192 else 4)  # 16 warps measured slower (BENCHMARKS.md)
     kernel = _kernel("decode", interpret)

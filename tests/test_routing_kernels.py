@@ -308,9 +308,28 @@ def test_compiled_model_has_no_graph_break_around_the_op():
 
 
 def test_custom_ops_pass_opcheck():
-    sources, query, gain, stream, gate, _ = make_case(3, 2, 64, 5, torch.float32, True)
+    sources, query, gain, stream, gate, grad = make_case(3, 2, 64, 5, torch.float32, True)
     args = ([s.requires_grad_() for s in sources], query[None].requires_grad_(), gain[None], 2, 1e-6, stream, gate, None, None, False)
     torch.library.opcheck(torch.ops.lit_mhar.route_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    lse = torch.ops.lit_mhar.route_fwd(*args)[1].detach()
+    for gate_ in (gate, None):  # the backward op too, with and without the outputs a form leaves empty
+        bwd_args = ([s.detach() for s in sources], query[None], gain[None], 2, 1e-6, gate_, None, None, lse, [grad.float()], None)
+        torch.library.opcheck(torch.ops.lit_mhar.route_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_split_decode_ignores_accumulate_without_a_pending_output():
+    """accumulate has no meaning without a pending output: the never-written slot after the history
+    (NaN here) is not read, on the split path (17 slots) as on the single-program one (3)."""
+    for n in (3, 17):
+        g = torch.Generator().manual_seed(n)
+        history = torch.randn(n + 1, 2, 64, generator=g).to(DEVICE)
+        history[n] = float("nan")
+        q, gain, norm_w = 0.3 * torch.randn(64, generator=g), torch.ones(64), torch.ones(64)
+        q, gain, norm_w = q.to(DEVICE), gain.to(DEVICE), norm_w.to(DEVICE)
+        with torch.no_grad():
+            y = tr.route_norm_decode(history.clone(), n, None, True, q, gain, 4, norm_w, 1e-5)
+            ref = reference.route_norm_decode(history.double(), n, None, True, q.double(), gain.double(), 4, norm_w.double(), 1e-5)
+        assert rel_err(y, ref) < TOL[torch.float32], n
 
 
 def test_unsupported_sizes_raise_clear_errors():
@@ -424,6 +443,9 @@ DECODE_CPU = [
     (15, 2, 64, 2, torch.bfloat16, True, True, True),
     (16, 2, 64, 2, torch.float32, False, True, True),
     (32, 4, 96, 3, torch.bfloat16, False, False, False),
+    # head counts that are not powers of two (padding heads) on the split path
+    (17, 3, 96, 2, torch.float32, False, True, True),
+    (20, 6, 96, 3, torch.bfloat16, True, False, False),
 ]
 DECODE_GPU = list(itertools.product((1, 2, 9, 33, 73), (1, 8), (64, 1000, 1024, 1280), (1, 37), (torch.float32, torch.bfloat16), (False, True), (True,), (False, True)))
 
