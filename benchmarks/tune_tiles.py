@@ -23,6 +23,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
+from bench_routing_op import use_backward  # the same switch between the two backward kernels
 from lit_mhar.kernels import triton_routing as tr
 
 SCALES = {"100m": (512, 12, 64 * 2048), "350m": (1024, 24, 32 * 1024), "1b": (1280, 36, 32 * 1024), "tiny": (96, 8, 70)}
@@ -73,7 +74,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     d, layers, M = SCALES[args.scale]
     S = 2 * layers // 8
-    defaults = (dict(tr.TILE_ELEMENTS), dict(tr.WARPS), tr.SITE_LOOP_MIN_SITES, tr.SITE_LOOP_MIN_SOURCES)
+    defaults = (dict(tr.TILE_ELEMENTS), dict(tr.WARPS))
     path = os.path.join(args.out, "tune_tiles.csv")
     with open(path, "a", newline="") as fh:
         w = csv.DictWriter(fh, FIELDS)
@@ -102,7 +103,7 @@ def main(argv=None):
                             diff = max(rel(o, r) for o, r in zip(fwd()[0], ref_out))
                             fn = fwd
                         else:
-                            f2, b2 = runner(*data, heads)
+                            _, b2 = runner(*data, heads)
                             diff = max(rel(g, r) for g, r in zip(b2(), ref_grads))
                             fn = b2
                         row["rel_diff"] = f"{diff:.1e}"
@@ -123,14 +124,14 @@ def main(argv=None):
             for heads in (1, 8):
                 data = make(M, d, n, 1, heads, seed=n)
                 grads = {}
-                for kind, rule in (("twopass", (10**9, 10**9)), ("siteloop", (1, 1))):
-                    tr.SITE_LOOP_MIN_SITES, tr.SITE_LOOP_MIN_SOURCES = rule
+                for kind in ("twopass", "siteloop"):
+                    use_backward(f"triton-{kind}")
                     _, b = runner(*data, heads)
                     grads[kind] = b()
                     diff = max(rel(g, r) for g, r in zip(grads[kind], grads["twopass"]))
                     emit(dict(shape=f"one-site-N{n}-H{heads}", kind=f"bwd_{kind}", rel_diff=f"{diff:.1e}",
                               ms=f"{do_bench(b, warmup=5, rep=50, return_mode='median'):.4f}" if diff < 1e-2 else "", status="ok" if diff < 1e-2 else "FAILED check"))
-                tr.SITE_LOOP_MIN_SITES, tr.SITE_LOOP_MIN_SOURCES = defaults[2], defaults[3]
+                use_backward("triton")
                 del data, grads
                 torch.cuda.empty_cache()
 

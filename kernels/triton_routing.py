@@ -64,8 +64,9 @@ from lit_mhar.kernels.reference import check_decode_args, check_route_args
 MAX_BLOCK_D = 16384
 # Tile of one program, by launch kind: sites x tokens x padded width fp32 elements of the
 # accumulator (forward) or of the gradient tile (backward), spread over warps (4 to 16) at
-# ``ELEMENTS_PER_THREAD`` each. Forward and site-loop sizes are the best measured at 350m shapes on
-# an H200 (benchmarks/tune_tiles.py, BENCHMARKS.md): small tiles, 4 warps. ``MAX_TILE_ELEMENTS``
+# ``ELEMENTS_PER_THREAD`` each. Forward and site-loop sizes are the best, or within 2% of the
+# best, of each kind tried alone at 350m shapes on an H200 (benchmarks/tune_tiles.py,
+# BENCHMARKS.md): small tiles, 4 warps. ``MAX_TILE_ELEMENTS``
 # caps sites x width of the two-pass backward, which holds every site's gradient of a token (one
 # token per program); it runs single sites only, unless ``SITE_LOOP_MIN_SITES`` is raised
 # (benchmarks compare the two that way).
@@ -77,7 +78,7 @@ MAX_TILE_ELEMENTS = 8192
 # Backward passes over at least this many sites, or of one site over at least this many sources
 # (either form, no prior), use the site-loop kernels (``_backward_site_loop``), which hold one
 # site's gradient at a time and spread the sources over programs (BENCHMARKS.md, 350m shapes,
-# replacement form: as fast at 9 sources with H = 1, faster with H = 8 and at every larger N).
+# replacement form: within 1% at 9 sources with H = 1, faster with H = 8 and at every larger N).
 SITE_LOOP_MIN_SITES = 2
 SITE_LOOP_MIN_SOURCES = 9
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
