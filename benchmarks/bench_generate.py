@@ -35,8 +35,10 @@ Imports torch, triton and lit_mhar's model only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import gc
+import importlib
 import math
 import os
 import statistics
@@ -57,7 +59,34 @@ VARIANTS = {  # name -> ModelConfig overrides; "8blocks": S = 2L / 8
     "prenorm": dict(residual="prenorm"),
     "mhar-block8-H8": dict(residual="attnres", heads=8, block_size="8blocks"),
     "mhar-full-H8": dict(residual="attnres", heads=8, block_size=1),
+    # the same models with the decode path's knobs set otherwise, for side-by-side comparison
+    "mhar-full-H8-split": dict(residual="attnres", heads=8, block_size=1),
+    "mhar-block8-H8-w4": dict(residual="attnres", heads=8, block_size="8blocks"),
+    "mhar-full-H8-w4": dict(residual="attnres", heads=8, block_size=1),
 }
+# variant -> {(module, attribute): value} set while the variant is measured:
+# -split: no grouped phase one, every site over its whole depth history (long ones split over programs);
+# -w4: 4 warps per decode program.
+KNOBS = {
+    "mhar-full-H8-split": {("lit_mhar.routing", "DECODE_PREFIX_MIN_SOURCES"): 1 << 30},
+    "mhar-block8-H8-w4": {("lit_mhar.kernels.triton_routing", "DECODE_WARPS"): 4},
+    "mhar-full-H8-w4": {("lit_mhar.kernels.triton_routing", "DECODE_WARPS"): 4},
+}
+
+
+@contextlib.contextmanager
+def knobs(name: str):
+    """Set the variant's :data:`KNOBS` for the duration, then restore them."""
+    saved = []
+    try:
+        for (module, attr), value in KNOBS.get(name, {}).items():
+            mod = importlib.import_module(module)
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, value)
+        yield
+    finally:
+        for mod, attr, value in reversed(saved):
+            setattr(mod, attr, value)
 SMOKE = dict(d_model=64, n_layer=8, n_head=4, n_kv_head=2, ffn_dim=128, vocab_size=512, seq_len=128)
 FIELDS = [
     "scale", "variant", "heads", "block_size", "backbone", "batch", "prompt_len", "decode_steps", "cache_len",
@@ -292,6 +321,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--decode-steps", type=int, default=128)
     ap.add_argument("--reps", type=int, default=10, help="timed prefill repetitions on CPU (CUDA: do_bench)")
     ap.add_argument("--compile", action="store_true", help="also measure with attention/MLP/norms compiled (nn.Module.compile)")
+    ap.add_argument("--compile-variants", default=None, help="with --compile: the variants measured compiled too (default: all of --variants)")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model (8 layers, d=64), short prompts: checks the script runs, on CPU by default")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for generate_bench.csv / .md (default: $OUT; none: print only)")
@@ -338,19 +368,20 @@ def main(argv: Optional[list[str]] = None) -> int:
             csv_file.flush()
 
     # every variant without compilation first (eager and CUDA graph), then compiled
+    compiled_names = names if args.compile_variants is None else [n for n in names if n in args.compile_variants.split(",")]
     for backbone in ["eager"] + (["compiled"] if args.compile else []):
-        for name in names:
+        for name in (names if backbone == "eager" else compiled_names):
             common = dict(scale=args.scale + ("-smoke" if args.smoke else ""), variant=name, backbone=backbone)
             model = None
             try:
                 model = build(args.scale, VARIANTS[name], args.smoke, device)
                 common.update(heads=model.cfg.heads, block_size=model.cfg.block_size)
-                with torch.no_grad():
+                with torch.no_grad(), knobs(name):
                     full_err = check_against_full_forward(model, model.cfg.vocab_size, device)
                 model.to(dtype)
                 if backbone == "compiled":
                     compile_sublayers(model)
-                with torch.no_grad():
+                with torch.no_grad(), knobs(name):
                     for r in measure(model, batches, args.prompt_len, args.decode_steps, device, args.reps, graphs, full_err):
                         record({**common, **r})
             except torch.cuda.OutOfMemoryError:

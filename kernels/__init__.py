@@ -77,9 +77,20 @@ def merge_route(sources, query, gain, heads, prior_out, prior_lse, stream=None, 
     return _impl(prior_out).merge_route(sources, query, gain, heads, prior_out, prior_lse, stream, gate, eps)
 
 
-def route_norm_decode(history, n_sources, pending, accumulate, query, gain, heads, norm_weight, norm_eps, stream=None, gate=None, eps=1e-6):
+def route_norm_decode(
+    history, n_sources, pending, accumulate, query, gain, heads, norm_weight, norm_eps, stream=None, gate=None, eps=1e-6,
+    prior_out=None, prior_lse=None, n_prior=0,
+):
     """Dispatching decode-time routing fused with the next RMSNorm; see :func:`lit_mhar.kernels.reference.route_norm_decode`."""
-    return _impl(history).route_norm_decode(history, n_sources, pending, accumulate, query, gain, heads, norm_weight, norm_eps, stream, gate, eps)
+    return _impl(history).route_norm_decode(
+        history, n_sources, pending, accumulate, query, gain, heads, norm_weight, norm_eps, stream, gate, eps,
+        prior_out, prior_lse, n_prior,
+    )
+
+
+def route_sites_decode(history, n_sources, queries, gains, heads=1, eps=1e-6):
+    """Dispatching phase one of a group of decode-time sites; see :func:`lit_mhar.kernels.reference.route_sites_decode`."""
+    return _impl(history).route_sites_decode(history, n_sources, queries, gains, heads, eps)
 
 
 __all__ = [
@@ -87,6 +98,7 @@ __all__ = [
     "route_sites",
     "merge_route",
     "route_norm_decode",
+    "route_sites_decode",
     "reference_depth_route",
     "check_route_args",
     "use_backend",

@@ -206,6 +206,7 @@ def _route_with_prior(sources, query, gain, heads, prior, additive, eps):
 def check_decode_args(
     history: Tensor, n_sources: int, pending: Optional[Tensor], accumulate: bool, norm_weight: Tensor, norm_eps: float,
     query: Tensor, gain: Tensor, heads: int, stream: Optional[Tensor], gate: Optional[Tensor], eps: float,
+    prior_out: Optional[Tensor] = None, prior_lse: Optional[Tensor] = None, n_prior: int = 0,
 ) -> None:
     """Validate :func:`route_norm_decode`'s arguments before any work (nothing is written on an
     error); raise ValueError naming the bad one."""
@@ -233,8 +234,54 @@ def check_decode_args(
     for name, value in (("norm_eps", norm_eps), ("eps", eps)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
             raise ValueError(f"route_norm_decode: {name}={value!r} must be a finite number >= 0")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (history, pending, query, gain, norm_weight, stream, gate)):
+    _check_decode_prior(history, n_sources, heads, prior_out, prior_lse, n_prior)
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (history, pending, query, gain, norm_weight, stream, gate, prior_out, prior_lse)
+    ):
         raise ValueError("route_norm_decode is for inference (it has no backward): call it under torch.no_grad() or inference_mode")
+
+
+def _check_decode_prior(history: Tensor, n_sources: int, heads: int, prior_out: Optional[Tensor], prior_lse: Optional[Tensor], n_prior: int) -> None:
+    if (prior_out is None) != (prior_lse is None):
+        raise ValueError("route_norm_decode: give prior_out and prior_lse together (both from route_sites_decode) or neither")
+    if prior_out is None:
+        if n_prior != 0:
+            raise ValueError(f"route_norm_decode: n_prior={n_prior!r} without a prior; it must be 0")
+        return
+    if isinstance(n_prior, bool) or not isinstance(n_prior, int) or not 1 <= n_prior <= n_sources:
+        raise ValueError(f"route_norm_decode: n_prior={n_prior!r} must be an integer in 1 .. n_sources={n_sources} (the slots the prior covers)")
+    lse_shape = (*history.shape[1:-1], heads)
+    for name, t, shape in (("prior_out", prior_out, tuple(history.shape[1:])), ("prior_lse", prior_lse, lse_shape)):
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.device != history.device or not t.is_floating_point():
+            raise ValueError(
+                f"route_norm_decode: {name} must be a floating {shape} tensor on {history.device}, "
+                f"got {getattr(t, 'shape', t)!r}"
+            )
+
+
+def check_sites_decode_args(history: Tensor, n_sources: int, queries: Tensor, gains: Tensor, heads: int, eps: float) -> None:
+    """Validate :func:`route_sites_decode`'s arguments before any work; raise ValueError naming the bad one."""
+    if not isinstance(history, Tensor) or history.dim() < 2 or not history.is_floating_point():
+        raise ValueError(f"route_sites_decode: history must be a floating [slots, ..., d] tensor, got {getattr(history, 'shape', history)!r}")
+    if not history.is_contiguous():
+        raise ValueError("route_sites_decode: history must be contiguous (one [slots, ..., d] buffer)")
+    slots, d = history.shape[0], history.shape[-1]
+    if isinstance(n_sources, bool) or not isinstance(n_sources, int) or not 1 <= n_sources <= slots:
+        raise ValueError(f"route_sites_decode: n_sources={n_sources!r} must be an integer in 1 .. {slots} (the slots of history)")
+    if (
+        not isinstance(queries, Tensor) or not isinstance(gains, Tensor) or queries.dim() != 2 or queries.shape[0] < 1
+        or queries.shape[1] != d or gains.shape != queries.shape
+    ):
+        raise ValueError(
+            f"route_sites_decode: queries {tuple(getattr(queries, 'shape', ()))} and gains {tuple(getattr(gains, 'shape', ()))} "
+            f"must both be [G, {d}] with G >= 1"
+        )
+    for i in range(queries.shape[0]):
+        check_route_args([history[0]], queries[i], gains[i], heads, None, None)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        raise ValueError(f"route_sites_decode: eps={eps!r} must be a finite number >= 0")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (history, queries, gains)):
+        raise ValueError("route_sites_decode is for inference (it has no backward): call it under torch.no_grad() or inference_mode")
 
 
 def route_norm_decode(
@@ -250,6 +297,9 @@ def route_norm_decode(
     stream: Optional[Tensor] = None,
     gate: Optional[Tensor] = None,
     eps: float = 1e-6,
+    prior_out: Optional[Tensor] = None,
+    prior_lse: Optional[Tensor] = None,
+    n_prior: int = 0,
 ) -> Tensor:
     """Decode-time routing site fused with the next sublayer's RMSNorm (inference only, no backward).
 
@@ -274,6 +324,11 @@ def route_norm_decode(
         norm_weight: ``[d]`` the next RMSNorm's weight; norm_eps its epsilon.
         stream, gate: the additive form (Delta AttnRes), or None.
         eps: the key RMSNorm epsilon.
+        prior_out, prior_lse, n_prior: optionally, this site's routing over slots ``0 .. n_prior - 1``
+            from :func:`route_sites_decode` (``[..., d]`` and ``[..., H]``, float32 on the Triton
+            path), merged as one more source whose score is ``prior_lse`` (two-phase computation,
+            AttnRes Sec. 4); the site then reads only slots ``n_prior ..`` of ``history``. Same result
+            as without it, up to rounding. ``1 <= n_prior <= n_sources``.
 
     Returns:
         ``[..., d]`` in ``promote(routed dtype, norm_weight.dtype)`` (as :class:`lit_mhar.model.RMSNorm` returns).
@@ -282,11 +337,48 @@ def route_norm_decode(
         ValueError: before anything is written: a shape, device, dtype, ``n_sources``, ``heads`` or
             epsilon that does not fit, a non-contiguous ``history``, or gradients asked for.
     """
-    check_decode_args(history, n_sources, pending, accumulate, norm_weight, norm_eps, query, gain, heads, stream, gate, eps)
+    check_decode_args(
+        history, n_sources, pending, accumulate, norm_weight, norm_eps, query, gain, heads, stream, gate, eps,
+        prior_out, prior_lse, n_prior,
+    )
     n = n_sources
     if pending is not None:
         history[n] = history[n] + pending if accumulate else pending
         n += 1
-    out = depth_route(list(history[:n].unbind(0)), query, gain, heads, stream, gate, eps)
+    if prior_out is None:
+        out = depth_route(list(history[:n].unbind(0)), query, gain, heads, stream, gate, eps)
+    else:
+        out = merge_route(list(history[n_prior:n].unbind(0)), query, gain, heads, prior_out, prior_lse, stream, gate, eps)
+        out = out.to(stream.dtype if stream is not None else history.dtype)  # the routed dtype, as without a prior
     x = out.to(torch.promote_types(out.dtype, norm_weight.dtype))
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight.to(x.dtype), norm_eps)
+
+
+def route_sites_decode(
+    history: Tensor, n_sources: int, queries: Tensor, gains: Tensor, heads: int, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """Phase one of a group of decode-time routing sites (inference only, no backward).
+
+    The pseudo-queries do not depend on the input, so the G sites of a group can all be routed
+    against the slots complete at the group's start, ``0 .. n_sources - 1`` of ``history``, in one
+    pass (two-phase computation, AttnRes Sec. 4, for full routing's long depth histories); each
+    site then merges the slots written since through :func:`route_norm_decode`'s prior.
+
+    Args:
+        history: ``[slots, ..., d]`` contiguous, float32 / bfloat16 / float16 (float64 here too); read only.
+        n_sources: slots routed over, ``1 <= n_sources <= slots``.
+        queries, gains: ``[G, d]``: each site's pseudo-query and key-norm gain.
+        heads: H dividing d. eps: the key RMSNorm epsilon.
+
+    Returns:
+        ``(out, lse)``: ``[G, ..., d]`` the routed values and ``[G, ..., H]`` the log-sum-exp of the
+        scores per head, both float32 (float64 for a float64 history), unrounded.
+
+    Raises:
+        ValueError: before any work: a shape, device, dtype, ``n_sources``, ``heads`` or ``eps`` that
+            does not fit, a non-contiguous ``history``, or gradients asked for.
+    """
+    check_sites_decode_args(history, n_sources, queries, gains, heads, eps)
+    math_dtype = torch.promote_types(history.dtype, torch.float32)
+    outs, lse = route_sites([s.to(math_dtype) for s in history[:n_sources].unbind(0)], queries, gains, heads, eps)
+    return torch.stack(outs), lse

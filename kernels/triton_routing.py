@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lit_mhar.kernels.reference import check_decode_args, check_route_args
+from lit_mhar.kernels.reference import check_decode_args, check_route_args, check_sites_decode_args
 
 # Largest padded width (next power of two of d) one program keeps in registers.
 MAX_BLOCK_D = 16384
@@ -408,14 +408,20 @@ def _decode_route_norm(
     hist_ptr, n_buf, slot_stride, pend_ptr,
     q_ptr, g_ptr, nw_ptr, stream_ptr, gate_ptr, out_ptr,
     part_ptr, part_ml_ptr, M, n_split,
+    prior_out_ptr, prior_lse_ptr, start,
     eps, norm_eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
     CH: tl.constexpr, NSP: tl.constexpr, PHASE: tl.constexpr,
-    HAS_PENDING: tl.constexpr, ACCUMULATE: tl.constexpr, ADDITIVE: tl.constexpr,
+    HAS_PENDING: tl.constexpr, ACCUMULATE: tl.constexpr, ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr,
 ):
     # PHASE 0: one program per token: CH slots per iteration ([CH, head, lane] tiles, all loads of
     # an iteration in flight at once), online softmax per head, then the pending sublayer output
-    # as the newest source (added into its slot on the way), then finishing.
+    # as the newest source (added into its slot on the way), then finishing. With a prior (the
+    # site's routing over slots 0 .. start - 1 from PHASE 3, as out and lse per head) the softmax
+    # starts from it and the loop from slot start.
+    # PHASE 3 (phase one of a group of sites): program (token, site) routes slots 0 .. n_buf - 1
+    # with its site's query (row site of q_ptr, g_ptr) like PHASE 0, and writes out (float32) and
+    # lse per head instead of finishing.
     # PHASE 1 (long histories): program (token, k) routes slots k*CH .. k*CH + CH - 1, the pending
     # output among them in the last tile, and writes its partial (acc, max, sum per head, float32);
     # PHASE 2: program (token) merges the n_split partials in order and finishes.
@@ -427,6 +433,11 @@ def _decode_route_norm(
     j_i = tl.arange(0, BDH)[None, None, :]
     col = h_i * DH + j_i  # [1, BH, BDH]
     cmask = (h_i < H) & (j_i < DH)
+    if PHASE == 0 or PHASE == 2:  # what finishing reads, loaded first so that its latency overlaps the routing
+        nw = tl.load(nw_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        if ADDITIVE:
+            x_stream = tl.load(stream_ptr + row + col, mask=cmask, other=0.0).to(tl.float32)
+            x_gate = tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32)
     if PHASE == 2:
         k_i = tl.arange(0, NSP)[:, None, None]
         kmask = k_i < n_split
@@ -442,13 +453,25 @@ def _decode_route_norm(
         m = tl.reduce(m_k, 0, _MAX, keep_dims=True)
         scale = tl.where(kmask, tl.exp(m_k - m), 0.0)
         r = tl.reduce(acc_k * scale, 0, _ADD, keep_dims=True) / tl.reduce(l_k * scale, 0, _ADD, keep_dims=True)
-    elif PHASE == 0:
+    elif PHASE == 0 or PHASE == 3:
         c_i = tl.arange(0, CH)[:, None, None]
-        w = tl.load(q_ptr + col, mask=cmask, other=0.0).to(tl.float32) * tl.load(g_ptr + col, mask=cmask, other=0.0).to(tl.float32)
-        m_run = tl.full([1, BH, 1], float("-inf"), tl.float32)
-        l_run = tl.full([1, BH, 1], 0.0, tl.float32)
-        acc = tl.full([1, BH, BDH], 0.0, tl.float32)
-        for c0 in range(0, n_buf, CH):
+        site = tl.program_id(1)  # 0 in PHASE 0 (one program per token)
+        w = tl.load(q_ptr + site * D + col, mask=cmask, other=0.0).to(tl.float32)
+        w *= tl.load(g_ptr + site * D + col, mask=cmask, other=0.0).to(tl.float32)
+        if HAS_PRIOR:  # the prior enters as one more source whose score is its lse (padding heads: 0, sum 1)
+            m_run = tl.load(prior_lse_ptr + tl.cast(tok, tl.int64) * H + h_i, mask=h_i < H, other=0.0)
+            l_run = tl.full([1, BH, 1], 1.0, tl.float32)
+            acc = tl.load(prior_out_ptr + row + col, mask=cmask, other=0.0).to(tl.float32)
+        else:
+            m_run = tl.full([1, BH, 1], float("-inf"), tl.float32)
+            l_run = tl.full([1, BH, 1], 0.0, tl.float32)
+            acc = tl.full([1, BH, BDH], 0.0, tl.float32)
+        if HAS_PENDING:  # loaded before the loop (its latency overlaps it), stored after
+            slot_ptr = hist_ptr + tl.cast(n_buf, tl.int64) * slot_stride + row + col
+            o = tl.load(pend_ptr + row + col, mask=cmask, other=0.0).to(tl.float32)
+            if ACCUMULATE:
+                o += tl.load(slot_ptr, mask=cmask, other=0.0).to(tl.float32)
+        for c0 in range(start, n_buf, CH):
             slot = c0 + c_i
             smask = slot < n_buf
             v = tl.load(hist_ptr + tl.cast(slot, tl.int64) * slot_stride + row + col, mask=smask & cmask, other=0.0).to(tl.float32)
@@ -462,10 +485,7 @@ def _decode_route_norm(
             acc = acc * scale + tl.reduce(p * v, 0, _ADD, keep_dims=True)
             m_run = m_new
         if HAS_PENDING:
-            slot_ptr = hist_ptr + tl.cast(n_buf, tl.int64) * slot_stride + row + col
-            o = tl.load(pend_ptr + row + col, mask=cmask, other=0.0).to(tl.float32)
             if ACCUMULATE:
-                o += tl.load(slot_ptr, mask=cmask, other=0.0).to(tl.float32)
                 # threads holding copies of one element (narrow d) must all have read it before any writes
                 tl.debug_barrier()
             o = o.to(hist_ptr.dtype.element_ty)
@@ -479,6 +499,10 @@ def _decode_route_norm(
             l_run = l_run * scale + p
             acc = acc * scale + p * o
         r = acc / l_run
+        if PHASE == 3:
+            site_tok = tl.cast(site * M + tok, tl.int64)
+            tl.store(part_ptr + site_tok * D + col, r, mask=cmask)
+            tl.store(part_ml_ptr + site_tok * H + h_i, m_run + tl.log(l_run), mask=h_i < H)
     else:
         slot = tl.program_id(1) * CH + tl.arange(0, CH)[:, None, None]  # [CH, 1, 1]
         slot_off = tl.cast(slot, tl.int64) * slot_stride + row + col
@@ -509,14 +533,13 @@ def _decode_route_norm(
         ml_off = (pk * H + h_i) * 2
         tl.store(part_ml_ptr + ml_off, m, mask=h_i < H)
         tl.store(part_ml_ptr + ml_off + 1, l, mask=h_i < H)
-    if PHASE != 1:
+    if PHASE == 0 or PHASE == 2:
         if ADDITIVE:
-            x = tl.load(stream_ptr + row + col, mask=cmask, other=0.0).to(tl.float32)
-            x = (x + tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32) * r).to(stream_ptr.dtype.element_ty).to(tl.float32)
+            x = (x_stream + x_gate * r).to(stream_ptr.dtype.element_ty).to(tl.float32)
         else:
             x = r.to(hist_ptr.dtype.element_ty).to(tl.float32)
         ms = tl.reduce(tl.reduce(x * x, 2, _ADD, keep_dims=True), 1, _ADD, keep_dims=True) / D
-        y = x / tl.sqrt(ms + norm_eps) * tl.load(nw_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        y = x / tl.sqrt(ms + norm_eps) * nw
         tl.store(out_ptr + row + col, y.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -953,12 +976,15 @@ def merge_route(
 # Slots per program of the decode kernel: the whole depth history of a block-routed model
 # (at most 1 + blocks + 1) in one tile of loads; longer histories are split over programs.
 DECODE_CHUNK = 16
+# Warps per decode program; None: 8 for tiles of 8192 fp32 elements or more, else 4 (a benchmark knob).
+DECODE_WARPS: Optional[int] = None
 
 
 @torch.library.custom_op("lit_mhar::route_norm_decode", mutates_args=("history",))
 def _route_norm_decode_op(
     history: Tensor, n_sources: int, pending: Optional[Tensor], accumulate: bool, query: Tensor, gain: Tensor,
     heads: int, norm_weight: Tensor, norm_eps: float, stream: Optional[Tensor], gate: Optional[Tensor], eps: float,
+    prior_out: Optional[Tensor], prior_lse: Optional[Tensor], n_prior: int,
 ) -> Tensor:
     d = history.shape[-1]
     routed_dtype = stream.dtype if stream is not None else history.dtype
@@ -969,13 +995,14 @@ def _route_norm_decode_op(
     interpret = history.device.type != "cuda"
     bh, bdh, bd = _geometry(d, heads)
     # slots per program: the whole depth history of a block-routed model in one tile (fewer at very
-    # wide d); longer histories (full routing) are split over programs and merged by a second launch
-    n_total = n_sources + (pending is not None)
+    # wide d); longer histories (full routing) are split over programs and merged by a second launch,
+    # unless a prior covers their start (then one program loops over the rest)
     cap = max(1, DECODE_CHUNK * 2048 // max(bd, 2048))
-    n_split = triton.cdiv(n_total, cap)
+    has_prior = prior_out is not None
+    n_split = 1 if has_prior else triton.cdiv(n_sources + (pending is not None), cap)
     # one program: the slots before the pending one in one tile (measured faster for block routing
     # than taking the pending output into the tile, BENCHMARKS.md); split: tiles of cap slots
-    chunk = min(triton.next_power_of_2(n_sources), cap) if n_split == 1 else cap
+    chunk = min(triton.next_power_of_2(max(1, n_sources - n_prior)), cap) if n_split == 1 else cap
     dummy = query
     if n_split > 1:
         part = torch.empty((n_split, M, d), dtype=torch.float32, device=history.device)
@@ -987,13 +1014,15 @@ def _route_norm_decode_op(
         query.contiguous(), gain.contiguous(), norm_weight.contiguous(), stream.contiguous() if stream is not None else dummy,
         gate.contiguous() if gate is not None else dummy, out,
         part, part_ml, M, n_split,
+        prior_out.contiguous() if has_prior else dummy, prior_lse.contiguous() if has_prior else dummy, n_prior if has_prior else 0,
         eps, norm_eps,
     )
     flags = dict(
         D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, CH=chunk, NSP=triton.next_power_of_2(n_split),
         HAS_PENDING=pending is not None, ACCUMULATE=bool(accumulate) and pending is not None, ADDITIVE=stream is not None,
+        HAS_PRIOR=has_prior,
     )
-    warps = 4 if interpret else (8 if chunk * bd >= 8192 else 4)  # 16 warps measured slower (BENCHMARKS.md)
+    warps = 4 if interpret else DECODE_WARPS or (8 if chunk * bd >= 8192 else 4)  # 16 measured slower (BENCHMARKS.md)
     kernel = _kernel("decode", interpret)
     kernel[(M, n_split)](*args, **flags, PHASE=0 if n_split == 1 else 1, num_warps=warps)
     if n_split > 1:
@@ -1002,9 +1031,43 @@ def _route_norm_decode_op(
 
 
 @_route_norm_decode_op.register_fake
-def _(history, n_sources, pending, accumulate, query, gain, heads, norm_weight, norm_eps, stream, gate, eps):
+def _(history, n_sources, pending, accumulate, query, gain, heads, norm_weight, norm_eps, stream, gate, eps, prior_out, prior_lse, n_prior):
     routed_dtype = stream.dtype if stream is not None else history.dtype
     return history.new_empty(history.shape[1:], dtype=torch.promote_types(routed_dtype, norm_weight.dtype))
+
+
+@torch.library.custom_op("lit_mhar::route_sites_decode", mutates_args=())
+def _route_sites_decode_op(history: Tensor, n_sources: int, queries: Tensor, gains: Tensor, heads: int, eps: float) -> tuple[Tensor, Tensor]:
+    G, d = queries.shape
+    out = _new((G, *history.shape[1:]), torch.float32, history.device)
+    lse = _new((G, *history.shape[1:-1], heads), torch.float32, history.device)
+    M = history[0].numel() // d
+    if M == 0:
+        return out, lse
+    interpret = history.device.type != "cuda"
+    bh, bdh, bd = _geometry(d, heads)
+    chunk = min(triton.next_power_of_2(n_sources), max(1, DECODE_CHUNK * 2048 // max(bd, 2048)))
+    q, g = queries.contiguous(), gains.contiguous()
+    _kernel("decode", interpret)[(M, G)](
+        history, n_sources, history[0].numel(), q,
+        q, g, q, q, q, q,
+        out, lse, M, 1,
+        q, q, 0,
+        eps, 0.0,
+        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, CH=chunk, NSP=1, PHASE=3,
+        HAS_PENDING=False, ACCUMULATE=False, ADDITIVE=False, HAS_PRIOR=False,
+        num_warps=4 if interpret else DECODE_WARPS or (8 if chunk * bd >= 8192 else 4),
+    )
+    return out, lse
+
+
+@_route_sites_decode_op.register_fake
+def _(history, n_sources, queries, gains, heads, eps):
+    G = queries.shape[0]
+    return (
+        history.new_empty((G, *history.shape[1:]), dtype=torch.float32),
+        history.new_empty((G, *history.shape[1:-1], heads), dtype=torch.float32),
+    )
 
 
 def route_norm_decode(
@@ -1020,17 +1083,43 @@ def route_norm_decode(
     stream: Optional[Tensor] = None,
     gate: Optional[Tensor] = None,
     eps: float = 1e-6,
+    prior_out: Optional[Tensor] = None,
+    prior_lse: Optional[Tensor] = None,
+    n_prior: int = 0,
 ) -> Tensor:
     """Fused decode-time routing + RMSNorm; same signature, math and docstring as
     :func:`lit_mhar.kernels.reference.route_norm_decode` (one kernel per routing site).
 
-    ``history`` float32 / bfloat16 / float16. Raises ValueError for the reference's argument
-    errors, another dtype or too wide a d, before anything is written.
+    ``history`` float32 / bfloat16 / float16; a prior is float32. Raises ValueError for the
+    reference's argument errors, another dtype or too wide a d, before anything is written.
     """
-    check_decode_args(history, n_sources, pending, accumulate, norm_weight, norm_eps, query, gain, heads, stream, gate, eps)
+    check_decode_args(
+        history, n_sources, pending, accumulate, norm_weight, norm_eps, query, gain, heads, stream, gate, eps,
+        prior_out, prior_lse, n_prior,
+    )
     _check_dtypes([history])
     if pending is not None and pending.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"route_norm_decode: pending has dtype {pending.dtype}; supported: {list(SUPPORTED_DTYPES)}")
+    if prior_out is not None and (prior_out.dtype != torch.float32 or prior_lse.dtype != torch.float32):
+        raise ValueError(
+            f"route_norm_decode: prior_out / prior_lse have dtypes {prior_out.dtype} / {prior_lse.dtype}; "
+            "the Triton kernel takes float32 (as route_sites_decode returns them)"
+        )
     return torch.ops.lit_mhar.route_norm_decode(
-        history, n_sources, pending, accumulate, query, gain, heads, norm_weight, float(norm_eps), stream, gate, eps
+        history, n_sources, pending, accumulate, query, gain, heads, norm_weight, float(norm_eps), stream, gate, eps,
+        prior_out, prior_lse, int(n_prior),
     )
+
+
+def route_sites_decode(
+    history: Tensor, n_sources: int, queries: Tensor, gains: Tensor, heads: int, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """Phase one of a group of decode-time routing sites; same signature, math and docstring as
+    :func:`lit_mhar.kernels.reference.route_sites_decode` (one kernel, one program per token and site).
+
+    ``history`` float32 / bfloat16 / float16; returns float32. Raises ValueError for the
+    reference's argument errors, another dtype or too wide a d, before any work.
+    """
+    check_sites_decode_args(history, n_sources, queries, gains, heads, eps)
+    _check_dtypes([history])
+    return torch.ops.lit_mhar.route_sites_decode(history, n_sources, queries, gains, heads, float(eps))

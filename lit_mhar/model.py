@@ -326,7 +326,9 @@ class LM(nn.Module):
         sublayer outputs: the prefill uses the training's routing op (two-phase routing on the
         fused kernels, AttnRes Sec. 4); later steps without gradients keep the depth history in
         one buffer (:class:`DecodeHistory`) and route each site together with the next RMSNorm in
-        one op (:func:`lit_mhar.kernels.route_norm_decode`). ``pos`` is an int, or a 0-d int64 tensor on
+        one op (:func:`lit_mhar.kernels.route_norm_decode`; full routing's long histories in
+        groups of sites routed against the slots complete at the group's start in one pass first).
+        ``pos`` is an int, or a 0-d int64 tensor on
         the model's device for decode steps a CUDA graph replays (then it is not range-checked).
         ``pos=0`` as an int is the prefill path: the training's causal attention over ``idx``, one
         row of ``idx`` filling every row of the cache.
@@ -353,7 +355,7 @@ class LM(nn.Module):
         if self.cfg.routed:
             dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
             if decoding:  # one buffer for the depth history, one fused route + norm op per site
-                history = DecodeHistory(x.to(dtype), self.cfg.block_size, 2 * self.cfg.n_layer)
+                history = DecodeHistory(x.to(dtype), self.cfg.block_size, 2 * self.cfg.n_layer, self.routing_sites())
             else:
                 # On the fused kernels routing takes the two-phase path (one pass over the complete
                 # sources per block, or per group of sites in full routing); the reference path

@@ -19,12 +19,17 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_mhar.kernels import depth_route, merge_route, route_norm_decode, route_sites
+from lit_mhar.kernels import depth_route, merge_route, route_norm_decode, route_sites, route_sites_decode
 
 
 # Sites of full routing (S = 1) routed together in phase one of the two-phase computation: each
 # complete source is read once per group, not once per site (BENCHMARKS.md).
 FULL_ROUTING_GROUP = 8
+
+# Decoding with full routing: a group of FULL_ROUTING_GROUP sites whose first site already has at
+# least this many complete slots routes them in one phase-one pass (shorter histories fit the
+# decode kernel's one-program tile, lit_mhar.kernels.triton_routing.DECODE_CHUNK).
+DECODE_PREFIX_MIN_SOURCES = 16
 
 
 class DepthHistory:
@@ -163,15 +168,43 @@ class DecodeHistory:
     routing over the same block sums; the partial sums are stored in the buffer's dtype, as the
     training path's are), one kernel per site instead of an add, the routing op(s) and a norm.
 
+    Full routing (S = 1) with ``sites`` given: the depth history grows by one slot per sublayer, so
+    from ``prefix_min`` complete slots on, the ``group_size`` sites of a group are first routed
+    together against the slots complete at the group's start (:func:`lit_mhar.kernels.route_sites_decode`,
+    one pass), and each site's fused op then reads only the slots written since, merged with that
+    prior (two-phase computation, AttnRes Sec. 4). Same result up to rounding.
+
     Args:
         embedding: ``[..., d]`` token embedding (source 0), in the dtype the history is kept in.
         block_size: S >= 1 sublayers per block.
         n_sublayers: sublayers in the model (2L), to size the buffer.
+        sites: the model's routing sites in depth order (:meth:`lit_mhar.model.LM.routing_sites`,
+            2L + 1 of them), for the grouped phase one of full routing; None routes site by site.
+        group_size: sites per group (default ``FULL_ROUTING_GROUP``); 1 routes site by site.
+        prefix_min: complete slots from which a group takes the phase-one pass (default
+            ``DECODE_PREFIX_MIN_SOURCES``).
+
+    Raises:
+        ValueError: ``block_size``, ``group_size`` or ``prefix_min`` below 1, or ``sites`` not 2L + 1.
     """
 
-    def __init__(self, embedding: Tensor, block_size: int, n_sublayers: int) -> None:
+    def __init__(
+        self,
+        embedding: Tensor,
+        block_size: int,
+        n_sublayers: int,
+        sites: Optional[Sequence["RoutingSite"]] = None,
+        group_size: Optional[int] = None,
+        prefix_min: Optional[int] = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"DecodeHistory: block_size={block_size} must be >= 1")
+        group_size = FULL_ROUTING_GROUP if group_size is None else group_size
+        prefix_min = DECODE_PREFIX_MIN_SOURCES if prefix_min is None else prefix_min
+        if group_size < 1 or prefix_min < 1:
+            raise ValueError(f"DecodeHistory: group_size={group_size} and prefix_min={prefix_min} must be >= 1")
+        if sites is not None and len(sites) != n_sublayers + 1:
+            raise ValueError(f"DecodeHistory: got {len(sites)} routing sites for {n_sublayers} sublayers; expected {n_sublayers + 1}")
         self.block_size = block_size
         self.buffer = embedding.new_empty((1 + -(-n_sublayers // block_size), *embedding.shape))
         self.buffer[0] = embedding
@@ -179,6 +212,11 @@ class DecodeHistory:
         self.has_partial = False
         self.pending: Optional[tuple[Tensor, int, bool]] = None  # (output, slot, add to the slot)
         self.n_appended = 0
+        self.sites = list(sites) if sites is not None and block_size == 1 and group_size > 1 else None
+        self.group_size, self.prefix_min = group_size, prefix_min
+        self.n_routed = 0
+        self._prior: Optional[tuple[Tensor, Tensor, int, int]] = None  # (out [G, ..., d], lse [G, ..., H], first site, slots)
+        self._stacked: Optional[tuple[Tensor, Tensor]] = None
 
     def append(self, output: Tensor, sublayer: int) -> None:
         """Record the raw output ``[..., d]`` of sublayer ``sublayer``; the next :meth:`route_norm` stores it."""
@@ -202,10 +240,32 @@ class DecodeHistory:
         else:
             output, n_sources, accumulate = self.pending
             self.pending = None
+        index, self.n_routed = self.n_routed, self.n_routed + 1
+        prior: dict = {}
+        if self.sites is not None:
+            if self.sites[index] is not site:
+                raise ValueError(f"DecodeHistory.route_norm: site {index} is not the model's routing site {index} (sites route in order)")
+            if index % self.group_size == 0 and n_sources >= self.prefix_min:
+                self._prior = self._phase_one(index, n_sources)
+            if self._prior is not None and self._prior[2] <= index < self._prior[2] + self._prior[0].shape[0]:
+                out, lse, first, n_prior = self._prior
+                prior = dict(prior_out=out[index - first], prior_lse=lse[index - first], n_prior=n_prior)
         return route_norm_decode(
             self.buffer, n_sources, output, accumulate, site.query, site.key_gain, site.heads, norm.weight, eps,
-            stream=stream if site.gate is not None else None, gate=site.gate, eps=site.eps,
+            stream=stream if site.gate is not None else None, gate=site.gate, eps=site.eps, **prior,
         )
+
+    def _phase_one(self, first: int, n_sources: int) -> tuple[Tensor, Tensor, int, int]:
+        """Sites ``first ..`` of a group routed against slots ``0 .. n_sources - 1`` in one pass."""
+        if self._stacked is None:  # once per step: every site's query and gain, [2L + 1, d]
+            self._stacked = (torch.stack([s.query for s in self.sites]), torch.stack([s.key_gain for s in self.sites]))
+        last = min(first + self.group_size, len(self.sites))
+        group = self.sites[first:last]
+        if any(s.heads != group[0].heads or s.eps != group[0].eps for s in group):
+            raise ValueError("DecodeHistory: the sites of a group must share heads and eps to be routed in one pass")
+        queries, gains = self._stacked
+        out, lse = route_sites_decode(self.buffer, n_sources, queries[first:last], gains[first:last], group[0].heads, group[0].eps)
+        return out, lse, first, n_sources
 
 
 class RoutingSite(nn.Module):

@@ -143,6 +143,31 @@ def test_cached_decoding_on_the_fused_kernel_path(residual, block_size, monkeypa
     assert fused == expected * 2, "one fused op per site in each of the two decode steps"
 
 
+@pytest.mark.parametrize("residual,backend", [("attnres", "triton"), ("delta", "triton"), ("attnres", "reference")])
+def test_full_routing_decode_routes_groups_of_sites_in_one_pass(residual, backend, monkeypatch):
+    """Full routing's decode steps route each group of sites against the slots complete at its
+    start in one pass (from DECODE_PREFIX_MIN_SOURCES slots on), each site then merges the slots
+    since: the logits stay the full forward's, and groups start where they should."""
+    import lit_mhar.routing as routing
+    from lit_mhar.kernels import reference, triton_routing
+
+    monkeypatch.setattr(routing, "DECODE_PREFIX_MIN_SOURCES", 3)
+    monkeypatch.setattr(routing, "FULL_ROUTING_GROUP", 2)
+    module = triton_routing if backend == "triton" else reference
+    passes = []
+    original = module.route_sites_decode
+    monkeypatch.setattr(module, "route_sites_decode", lambda h, n, q, g, *a: passes.append((n, q.shape[0])) or original(h, n, q, g, *a))
+    model = tiny_model(residual, 2, 1, 3, d_model=16, n_head=2, n_kv_head=1, ffn_dim=16)  # 7 sites
+    idx = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(idx)
+        with use_backend(backend):
+            cached = decode_in_pieces(model, idx, [3, 1, 2], tensor_pos=True)
+    torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
+    # site l has max(1, l) complete slots; groups start at sites 0, 2, 4, 6 and take the pass from 3 slots on
+    assert passes == [(4, 2), (6, 1)] * 2, passes
+
+
 def test_decode_step_compiles_to_one_graph_reused_at_every_position():
     """A tensor ``pos`` and in-place cache writes: one fullgraph compilation serves every step
     (what CUDA graph capture needs too), and it computes the full forward's logits."""
