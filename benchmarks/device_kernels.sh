@@ -25,7 +25,7 @@ if [[ " $STEPS " == *" tests "* ]]; then
     > "$OUT/tests.log" 2>&1; echo "tests exit $? at $SECONDS s"; grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -15
 fi
 if [[ " $STEPS " == *" generate "* ]]; then
-  timeout ${GENERATE_TIMEOUT:-300} python3 "$R/benchmarks/bench_generate.py" --scale 350m --compile --out "$OUT" > "$OUT/generate.log" 2>&1
+  timeout ${GENERATE_TIMEOUT:-300} python3 "$R/benchmarks/bench_generate.py" ${GENERATE_ARGS:---scale 350m --compile} --out "$OUT" > "$OUT/generate.log" 2>&1
   echo "generate exit $? at $SECONDS s"; cat "$OUT/generate_bench.md" 2>/dev/null || tail -n 30 "$OUT/generate.log"
 fi
 for s in $SCALES; do
