@@ -61,16 +61,16 @@ VARIANTS = {  # name -> ModelConfig overrides; "8blocks": S = 2L / 8
     "mhar-full-H8": dict(residual="attnres", heads=8, block_size=1),
     # the same models with the decode path's knobs set otherwise, for side-by-side comparison
     "mhar-full-H8-split": dict(residual="attnres", heads=8, block_size=1),
-    "mhar-block8-H8-w4": dict(residual="attnres", heads=8, block_size="8blocks"),
-    "mhar-full-H8-w4": dict(residual="attnres", heads=8, block_size=1),
+    "mhar-block8-H8-w8": dict(residual="attnres", heads=8, block_size="8blocks"),
+    "mhar-full-H8-w8": dict(residual="attnres", heads=8, block_size=1),
 }
 # variant -> {(module, attribute): value} set while the variant is measured:
 # -split: no grouped phase one, every site over its whole depth history (long ones split over programs);
-# -w4: 4 warps per decode program.
+# -w8: 8 warps per decode program (the default is 4).
 KNOBS = {
     "mhar-full-H8-split": {("lit_mhar.routing", "DECODE_PREFIX_MIN_SOURCES"): 1 << 30},
-    "mhar-block8-H8-w4": {("lit_mhar.kernels.triton_routing", "DECODE_WARPS"): 4},
-    "mhar-full-H8-w4": {("lit_mhar.kernels.triton_routing", "DECODE_WARPS"): 4},
+    "mhar-block8-H8-w8": {("lit_mhar.kernels.triton_routing", "DECODE_WARPS"): 8},
+    "mhar-full-H8-w8": {("lit_mhar.kernels.triton_routing", "DECODE_WARPS"): 8},
 }
 
 

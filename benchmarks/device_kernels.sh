@@ -24,6 +24,12 @@ if [[ " $STEPS " == *" tests "* ]]; then
   timeout ${TEST_TIMEOUT:-150} python3 -m pytest "$R/tests/test_routing_kernels.py" -q -n 8 -p no:cacheprovider -m "${TEST_MARK:-gpu or not gpu}" -k "${TEST_K:-}" \
     > "$OUT/tests.log" 2>&1; echo "tests exit $? at $SECONDS s"; grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -15
 fi
+if [[ " $STEPS " == *" ncu "* ]]; then
+  (cd "$R/benchmarks" && timeout ${NCU_TIMEOUT:-240} ncu -k regex:"_route|_decode" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats --csv --page details \
+    python3 ncu_kernels.py --scale 350m > "$OUT/ncu.csv" 2> "$OUT/ncu.err")
+  echo "ncu exit $? at $SECONDS s"; tail -n 3 "$OUT/ncu.err"; wc -l "$OUT/ncu.csv"
+fi
 if [[ " $STEPS " == *" generate "* ]]; then
   timeout ${GENERATE_TIMEOUT:-300} python3 "$R/benchmarks/bench_generate.py" ${GENERATE_ARGS:---scale 350m --compile} --out "$OUT" > "$OUT/generate.log" 2>&1
   echo "generate exit $? at $SECONDS s"; cat "$OUT/generate_bench.md" 2>/dev/null || tail -n 30 "$OUT/generate.log"

@@ -976,8 +976,9 @@ def merge_route(
 # Slots per program of the decode kernel: the whole depth history of a block-routed model
 # (at most 1 + blocks + 1) in one tile of loads; longer histories are split over programs.
 DECODE_CHUNK = 16
-# Warps per decode program; None: 8 for tiles of 8192 fp32 elements or more, else 4 (a benchmark knob).
-DECODE_WARPS: Optional[int] = None
+# Warps per decode program: 4 measured faster than 8 for tiles of 8192+ elements at 350m in three
+# of four cases (full and block routing, batch 1 and 32; BENCHMARKS.md). A benchmark knob.
+DECODE_WARPS = 4
 
 
 @torch.library.custom_op("lit_mhar::route_norm_decode", mutates_args=("history",))
@@ -1022,7 +1023,7 @@ def _route_norm_decode_op(
         HAS_PENDING=pending is not None, ACCUMULATE=bool(accumulate) and pending is not None, ADDITIVE=stream is not None,
         HAS_PRIOR=has_prior,
     )
-    warps = 4 if interpret else DECODE_WARPS or (8 if chunk * bd >= 8192 else 4)  # 16 measured slower (BENCHMARKS.md)
+    warps = 4 if interpret else DECODE_WARPS
     kernel = _kernel("decode", interpret)
     kernel[(M, n_split)](*args, **flags, PHASE=0 if n_split == 1 else 1, num_warps=warps)
     if n_split > 1:
@@ -1056,7 +1057,7 @@ def _route_sites_decode_op(history: Tensor, n_sources: int, queries: Tensor, gai
         eps, 0.0,
         D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, CH=chunk, NSP=1, PHASE=3,
         HAS_PENDING=False, ACCUMULATE=False, ADDITIVE=False, HAS_PRIOR=False,
-        num_warps=4 if interpret else DECODE_WARPS or (8 if chunk * bd >= 8192 else 4),
+        num_warps=4 if interpret else DECODE_WARPS,
     )
     return out, lse
 
