@@ -2,7 +2,7 @@
 # One call on the one-GPU machine, from the repository root, carrying .whl/ (fla-core, liger-kernel):
 # GPU kernel tests, generation at 350m, then per scale in $SCALES the routing op against its peers,
 # training throughput, tile tuning and a profile.
-#   OUT=... SCALES="350m" STEPS="tests generate op train tune profile" bash benchmarks/device_kernels.sh
+#   OUT=... SCALES="350m" STEPS="tests ncu tune_decode generate op train tune profile" bash benchmarks/device_kernels.sh
 set -uo pipefail
 R=$PWD
 OUT=${OUT:?}
@@ -30,6 +30,10 @@ if [[ " $STEPS " == *" ncu "* ]]; then
     python3 ncu_kernels.py --scale 350m > "$OUT/ncu.csv" 2> "$OUT/ncu.err")
   echo "ncu exit $? at $SECONDS s"; tail -n 3 "$OUT/ncu.err"; wc -l "$OUT/ncu.csv"
 fi
+if [[ " $STEPS " == *" tune_decode "* ]]; then
+  timeout ${TUNE_DECODE_TIMEOUT:-300} python3 "$R/benchmarks/tune_decode.py" --scale 350m --out "$OUT" > "$OUT/tune_decode.log" 2>&1
+  echo "tune_decode exit $? at $SECONDS s"; tail -n 2 "$OUT/tune_decode.log"
+fi
 if [[ " $STEPS " == *" generate "* ]]; then
   timeout ${GENERATE_TIMEOUT:-300} python3 "$R/benchmarks/bench_generate.py" ${GENERATE_ARGS:---scale 350m --compile} --out "$OUT" > "$OUT/generate.log" 2>&1
   echo "generate exit $? at $SECONDS s"; cat "$OUT/generate_bench.md" 2>/dev/null || tail -n 30 "$OUT/generate.log"
@@ -44,7 +48,7 @@ for s in $SCALES; do
     echo "train $s exit $? at $SECONDS s"
   fi
   if [[ " $STEPS " == *" tune "* ]]; then
-    timeout ${TUNE_TIMEOUT:-220} python3 "$R/benchmarks/tune_tiles.py" --scale $s --out "$OUT" > "$OUT/tune-$s.log" 2>&1
+    timeout ${TUNE_TIMEOUT:-220} python3 "$R/benchmarks/tune_tiles.py" --scale $s ${TUNE_ARGS:-} --out "$OUT" > "$OUT/tune-$s.log" 2>&1
     echo "tune $s exit $? at $SECONDS s"
   fi
   if [[ " $STEPS " == *" profile "* ]]; then

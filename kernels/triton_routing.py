@@ -979,6 +979,8 @@ DECODE_CHUNK = 16
 # Warps per decode program: 4 measured faster than 8 for tiles of 8192+ elements at 350m in three
 # of four cases (full and block routing, batch 1 and 32; BENCHMARKS.md). A benchmark knob.
 DECODE_WARPS = 4
+# Whether a history longer than one tile is split over programs (True) or looped over in one (a benchmark knob).
+DECODE_SPLIT = True
 
 
 @torch.library.custom_op("lit_mhar::route_norm_decode", mutates_args=("history",))
@@ -1000,7 +1002,7 @@ def _route_norm_decode_op(
     # unless a prior covers their start (then one program loops over the rest)
     cap = max(1, DECODE_CHUNK * 2048 // max(bd, 2048))
     has_prior = prior_out is not None
-    n_split = 1 if has_prior else triton.cdiv(n_sources + (pending is not None), cap)
+    n_split = 1 if has_prior or not DECODE_SPLIT else triton.cdiv(n_sources + (pending is not None), cap)
     # one program: the slots before the pending one in one tile (measured faster for block routing
     # than taking the pending output into the tile, BENCHMARKS.md); split: tiles of cap slots
     chunk = min(triton.next_power_of_2(max(1, n_sources - n_prior)), cap) if n_split == 1 else cap
