@@ -5,14 +5,15 @@ Decode steps are launch- and latency-bound, so each configuration is timed as a 
 repetitions, divided by the launches): the per-site cost inside a captured decode step. Shapes
 at the scale's width (350m: d = 1024), bf16, H = 8, batch 1 and 32:
 
-- ``block-N{n}``: a block-routing site over n complete slots and the pending output (accumulated);
+- ``block-N{n}``: a block-routing site over n complete slots and the pending output (written,
+  not accumulated, so that repeated calls give the same result);
 - ``full-prior-N{k}``: a full-routing site in a group: a prior over the slots at the group's start
   and k later slots, then the pending output;
 - ``phase1-N{n}-G8``: phase one of a group of 8 full-routing sites over n slots.
 
-Knobs: ``DECODE_CHUNK`` (slots per tile at d <= 2048), ``DECODE_WARPS`` and, for block sites whose
-history is longer than a tile, ``DECODE_SPLIT`` (split over programs, or loop in one). Every
-configuration is checked against the default's output first (relative L2 difference).
+Knobs: ``DECODE_TILE_ELEMENTS`` and ``DECODE_WARPS`` for a site's op, ``DECODE_SITES_TILE_ELEMENTS``
+and ``DECODE_SITES_WARPS`` for phase one. Every configuration is checked against the default's
+output first (relative L2 difference).
 
     python benchmarks/tune_decode.py --scale 350m --out OUT    # writes OUT/tune_decode.csv
 """
@@ -32,7 +33,11 @@ from triton.testing import do_bench
 from lit_mhar.kernels import triton_routing as tr
 
 WIDTHS = {"100m": 512, "350m": 1024, "1b": 1280}
-FIELDS = ["scale", "shape", "batch", "chunk", "warps", "split", "us_per_launch", "rel_diff", "status"]
+FIELDS = ["scale", "shape", "batch", "tile_elements", "warps", "us_per_launch", "rel_diff", "status"]
+# (tile elements, warps) tried: a site's op (DECODE_TILE_ELEMENTS, DECODE_WARPS) and phase one of a
+# group (DECODE_SITES_TILE_ELEMENTS, DECODE_SITES_WARPS)
+SITE_CONFIGS = list(itertools.product((2048, 4096, 8192, 16384), (2, 4, 8)))
+SITES_CONFIGS = list(itertools.product((4096, 8192, 16384), (1, 2, 4, 8)))
 
 
 def rel(a, b) -> float:
@@ -46,11 +51,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     d, heads, dev = WIDTHS[args.scale], 8, "cuda"
-    default = (tr.DECODE_CHUNK, tr.DECODE_WARPS, tr.DECODE_SPLIT)
     g = torch.Generator(device=dev).manual_seed(0)
     q = 2.0 * (heads / d) ** 0.5 * torch.randn(8, d, device=dev, generator=g)
     gn = 1 + 0.3 * torch.randn(8, d, device=dev, generator=g)
     nw = 1 + 0.2 * torch.randn(d, device=dev, generator=g)
+    knobs = {False: ("DECODE_TILE_ELEMENTS", "DECODE_WARPS"), True: ("DECODE_SITES_TILE_ELEMENTS", "DECODE_SITES_WARPS")}
+    defaults = {k: tuple(getattr(tr, a) for a in v) for k, v in knobs.items()}
     path = os.path.join(args.out, "tune_decode.csv")
     with open(path, "a", newline="") as fh:
         w = csv.DictWriter(fh, FIELDS)
@@ -60,8 +66,8 @@ def main(argv=None) -> int:
             hist = torch.randn(50, batch, d, device=dev, generator=g).to(torch.bfloat16)
             pend = torch.randn(batch, d, device=dev, generator=g).to(torch.bfloat16)
             cases = {}
-            for n in (5, 9):
-                cases[f"block-N{n}"] = lambda n=n: tr.route_norm_decode(hist, n, pend, True, q[0], gn[0], heads, nw, 1e-5)
+            for n in (3, 5, 9):  # accumulate=False: repeated calls write the same slot value
+                cases[f"block-N{n}"] = lambda n=n: tr.route_norm_decode(hist, n, pend, False, q[0], gn[0], heads, nw, 1e-5)
             prior = tr.route_sites_decode(hist, 40, q, gn, heads)
             for k in (0, 3, 7):
                 cases[f"full-prior-N{k}"] = lambda k=k: tr.route_norm_decode(
@@ -70,12 +76,15 @@ def main(argv=None) -> int:
             for n in (16, 40):
                 cases[f"phase1-N{n}-G8"] = lambda n=n: torch.cat([t.flatten() for t in tr.route_sites_decode(hist, n, q, gn, heads)])
             for name, fn in cases.items():
-                tr.DECODE_CHUNK, tr.DECODE_WARPS, tr.DECODE_SPLIT = default
+                sites = name.startswith("phase1")
+                names = knobs[sites]
+                for attr, value in zip(names, defaults[sites]):
+                    setattr(tr, attr, value)
                 ref = fn().clone()
-                splits = (True, False) if name.startswith("block") else (True,)
-                for chunk, warps, split in itertools.product((4, 8, 16), (2, 4, 8, 16), splits):
-                    tr.DECODE_CHUNK, tr.DECODE_WARPS, tr.DECODE_SPLIT = chunk, warps, split
-                    row = dict(scale=args.scale, shape=name, batch=batch, chunk=chunk, warps=warps, split=split)
+                for elements, warps in SITES_CONFIGS if sites else SITE_CONFIGS:
+                    setattr(tr, names[0], elements)
+                    setattr(tr, names[1], warps)
+                    row = dict(scale=args.scale, shape=name, batch=batch, tile_elements=elements, warps=warps)
                     try:
                         diff = rel(fn(), ref)
                         row["rel_diff"] = f"{diff:.1e}"
@@ -98,7 +107,8 @@ def main(argv=None) -> int:
                     w.writerow(row)
                     fh.flush()
                     print(json.dumps(row), flush=True)
-            tr.DECODE_CHUNK, tr.DECODE_WARPS, tr.DECODE_SPLIT = default
+                for attr, value in zip(names, defaults[sites]):
+                    setattr(tr, attr, value)
     return 0
 
 

@@ -37,12 +37,14 @@ site over many sources) hold one site's gradient at a time: the first runs one p
 (site, range of tiles) and also stores every ``s_i`` and ``<dr, v_i>_h`` (``[S, N, M, H, 2]``
 float32), the second one program per (tile, source) with the sites in its loop.
 
-Decoding (no backward) has its own kernel, :func:`route_norm_decode`: one program per token loads
-up to ``DECODE_CHUNK`` slots at once from one ``[slots, tokens, d]`` buffer, adds the newest
-sublayer output into its slot, routes (softmax per head) and applies the next sublayer's RMSNorm,
-so a decode step of a block-routed model runs one kernel per routing site. Longer histories (full
-routing) are split: one program per token and ``DECODE_CHUNK`` slots writes a partial (float32
-sum, max and normaliser per head), a second launch merges them in order and finishes.
+Decoding (no backward) has its own kernel, :func:`route_norm_decode`: one program per token loops
+over the slots of one ``[slots, tokens, d]`` buffer in tiles of a few slots (all loads of a tile in
+flight at once), adds the newest sublayer output into its slot, routes (online softmax per head)
+and applies the next sublayer's RMSNorm, so a decode step runs one kernel per routing site. Full
+routing's long histories take a phase one per group of sites (:func:`route_sites_decode`: one
+program per token and site over the slots complete at the group's start), whose output and lse
+each site's kernel then merges as a prior; without a prior, a history longer than
+``DECODE_CHUNK`` slots is split over programs whose float32 partials a second launch merges.
 
 On CPU tensors the kernels run in Triton's interpreter (for tests, through ``use_backend("triton")``);
 on CUDA tensors they are compiled.
@@ -973,14 +975,26 @@ def merge_route(
 # Decode: routing fused with the next RMSNorm (inference only)
 # ----------------------------------------------------------------------------------------------
 
-# Slots per program of the decode kernel: the whole depth history of a block-routed model
-# (at most 1 + blocks + 1) in one tile of loads; longer histories are split over programs.
+# Decode kernel geometry (``benchmarks/tune_decode.py``; per launch inside a CUDA graph, 350m, bf16,
+# H = 8, batch 1 and 32; BENCHMARKS.md). A site's program loops over its slots in tiles of
+# DECODE_TILE_ELEMENTS fp32 elements (4 slots at d = 1024) on DECODE_WARPS warps: two 4-slot
+# iterations measured 6.5 us against 8.8-10.1 us for one 8-slot tile. A history longer than
+# DECODE_CHUNK slots (at d <= 2048) without a prior is split over programs of that many slots and
+# merged by a second launch (8 warps). Phase one of a group of sites
+# (route_sites_decode): tiles of DECODE_SITES_TILE_ELEMENTS on DECODE_SITES_WARPS warps.
+# All are module-level so that the benchmarks can vary them.
+DECODE_TILE_ELEMENTS = 4096
+DECODE_WARPS = 8
 DECODE_CHUNK = 16
-# Warps per decode program: 4 measured faster than 8 for tiles of 8192+ elements at 350m in three
-# of four cases (full and block routing, batch 1 and 32; BENCHMARKS.md). A benchmark knob.
-DECODE_WARPS = 4
-# Whether a history longer than one tile is split over programs (True) or looped over in one (a benchmark knob).
-DECODE_SPLIT = True
+DECODE_SITES_TILE_ELEMENTS = 8192
+DECODE_SITES_WARPS = 2
+
+
+def _decode_slots(n: int, elements: int, bd: int) -> int:
+    """Slots per tile: a power of two, at most ``elements // bd`` (at least 1) and no more than ``n`` needs."""
+    cap = max(1, elements // bd)
+    cap = 1 << (cap.bit_length() - 1)
+    return min(triton.next_power_of_2(max(1, n)), cap)
 
 
 @torch.library.custom_op("lit_mhar::route_norm_decode", mutates_args=("history",))
@@ -997,15 +1011,15 @@ def _route_norm_decode_op(
         return out
     interpret = history.device.type != "cuda"
     bh, bdh, bd = _geometry(d, heads)
-    # slots per program: the whole depth history of a block-routed model in one tile (fewer at very
-    # wide d); longer histories (full routing) are split over programs and merged by a second launch,
-    # unless a prior covers their start (then one program loops over the rest)
+    # one program looping over the slots (after the prior, if any) in tiles, or, for a history
+    # longer than DECODE_CHUNK slots without a prior, split over programs of that many slots
     cap = max(1, DECODE_CHUNK * 2048 // max(bd, 2048))
     has_prior = prior_out is not None
-    n_split = 1 if has_prior or not DECODE_SPLIT else triton.cdiv(n_sources + (pending is not None), cap)
-    # one program: the slots before the pending one in one tile (measured faster for block routing
-    # than taking the pending output into the tile, BENCHMARKS.md); split: tiles of cap slots
-    chunk = min(triton.next_power_of_2(max(1, n_sources - n_prior)), cap) if n_split == 1 else cap
+    n_split = 1 if has_prior else triton.cdiv(n_sources + (pending is not None), cap)
+    if n_split == 1:
+        chunk, warps = _decode_slots(n_sources - n_prior, DECODE_TILE_ELEMENTS, bd), DECODE_WARPS
+    else:
+        chunk, warps = cap, 8
     dummy = query
     if n_split > 1:
         part = torch.empty((n_split, M, d), dtype=torch.float32, device=history.device)
@@ -1025,7 +1039,7 @@ def _route_norm_decode_op(
         HAS_PENDING=pending is not None, ACCUMULATE=bool(accumulate) and pending is not None, ADDITIVE=stream is not None,
         HAS_PRIOR=has_prior,
     )
-    warps = 4 if interpret else DECODE_WARPS
+    warps = 4 if interpret else warps
     kernel = _kernel("decode", interpret)
     kernel[(M, n_split)](*args, **flags, PHASE=0 if n_split == 1 else 1, num_warps=warps)
     if n_split > 1:
@@ -1049,7 +1063,7 @@ def _route_sites_decode_op(history: Tensor, n_sources: int, queries: Tensor, gai
         return out, lse
     interpret = history.device.type != "cuda"
     bh, bdh, bd = _geometry(d, heads)
-    chunk = min(triton.next_power_of_2(n_sources), max(1, DECODE_CHUNK * 2048 // max(bd, 2048)))
+    chunk = _decode_slots(n_sources, DECODE_SITES_TILE_ELEMENTS, bd)
     q, g = queries.contiguous(), gains.contiguous()
     _kernel("decode", interpret)[(M, G)](
         history, n_sources, history[0].numel(), q,
@@ -1059,7 +1073,7 @@ def _route_sites_decode_op(history: Tensor, n_sources: int, queries: Tensor, gai
         eps, 0.0,
         D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, CH=chunk, NSP=1, PHASE=3,
         HAS_PENDING=False, ACCUMULATE=False, ADDITIVE=False, HAS_PRIOR=False,
-        num_warps=4 if interpret else DECODE_WARPS,
+        num_warps=4 if interpret else DECODE_SITES_WARPS,
     )
     return out, lse
 
