@@ -61,16 +61,16 @@ VARIANTS = {  # name -> ModelConfig overrides; "8blocks": S = 2L / 8
     "mhar-full-H8": dict(residual="attnres", heads=8, block_size=1),
     # the same models with the decode path's knobs set otherwise, for side-by-side comparison
     "mhar-full-H8-split": dict(residual="attnres", heads=8, block_size=1),
-    "mhar-block8-H8-w8": dict(residual="attnres", heads=8, block_size="8blocks"),
-    "mhar-full-H8-w8": dict(residual="attnres", heads=8, block_size=1),
+    "mhar-block8-H8-t1024": dict(residual="attnres", heads=8, block_size="8blocks"),
+    "mhar-full-H8-t1024": dict(residual="attnres", heads=8, block_size=1),
 }
 # variant -> {(module, attribute): value} set while the variant is measured:
 # -split: no grouped phase one, every site over its whole depth history (long ones split over programs);
-# -w8: 8 warps per decode program (the default is 4).
+# -t1024: decode tiles of 1024 elements (one slot at d = 1024; the default is 2048).
 KNOBS = {
     "mhar-full-H8-split": {("lit_mhar.routing", "DECODE_PREFIX_MIN_SOURCES"): 1 << 30},
-    "mhar-block8-H8-w8": {("lit_mhar.kernels.triton_routing", "DECODE_WARPS"): 8},
-    "mhar-full-H8-w8": {("lit_mhar.kernels.triton_routing", "DECODE_WARPS"): 8},
+    "mhar-block8-H8-t1024": {("lit_mhar.kernels.triton_routing", "DECODE_TILE_ELEMENTS"): 1024},
+    "mhar-full-H8-t1024": {("lit_mhar.kernels.triton_routing", "DECODE_TILE_ELEMENTS"): 1024},
 }
 
 
