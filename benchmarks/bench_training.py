@@ -26,10 +26,8 @@ import torch
 from triton.testing import do_bench
 
 from lit_mhar import LM, ModelConfig, routing
-from lit_mhar.kernels import triton_routing
 
 FULL_ROUTING_GROUP = routing.FULL_ROUTING_GROUP
-KERNEL_DEFAULTS = (triton_routing.OCCUPANCY_GRIDS, triton_routing.TILE_ELEMENTS["bwd"])
 
 DATASHEET_TFLOPS = 989.0
 SCALES = {"100m": (64, 2048, 12), "350m": (32, 1024, 24), "1b": (32, 1024, 36), "debug": (2, 64, 4)}  # batch, seq, layers
@@ -44,11 +42,6 @@ VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L su
     "mhar-full-H8-persite": dict(residual="attnres", heads=8, block_size=1, full_routing_group=1),
     "delta-full-H8-persite": dict(residual="delta", heads=8, block_size=1, full_routing_group=1),
     "hyper-dhc-n4": dict(residual="hyper", hc_rate=4, hc_dynamic=True),  # its connections run eagerly, like routing
-    # kernel settings against the defaults, same model: persistent backward grids of 32 warps per SM
-    # (not sized by the registers); the merges' two-pass backward on 2048-element tiles, 4 warps
-    "mhar-block8-H8-grid32": dict(residual="attnres", heads=8, block_size="8blocks", occupancy_grids=False),
-    "mhar-block8-H8-bwd2048": dict(residual="attnres", heads=8, block_size="8blocks", bwd_tile=(2048, 4)),
-    "mhar-full-H8-grid32": dict(residual="attnres", heads=8, block_size=1, occupancy_grids=False),
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "mfu_datasheet", "mfu_measured",
           "peak_mem_GiB", "mem_ratio_vs_prenorm", "loss", "compile_s", "matmul_TFLOPs", "status", "note"]
@@ -77,14 +70,6 @@ def training_step(scale, overrides, batch, seq, compile_):
     kw = dict(overrides)
     # full routing's two-phase group size is a module setting, not a config field: set per variant
     routing.FULL_ROUTING_GROUP = kw.pop("full_routing_group", FULL_ROUTING_GROUP)
-    # so are the kernels' grid sizing and tiles
-    triton_routing.OCCUPANCY_GRIDS = kw.pop("occupancy_grids", KERNEL_DEFAULTS[0])
-    elements, warps = kw.pop("bwd_tile", (KERNEL_DEFAULTS[1], None))
-    triton_routing.TILE_ELEMENTS["bwd"] = elements
-    if warps is None:
-        triton_routing.WARPS.pop("bwd", None)
-    else:
-        triton_routing.WARPS["bwd"] = warps
     if kw.get("block_size") == "8blocks":
         kw["block_size"] = 2 * layers // 8
     cfg = ModelConfig.from_name(scale, **kw)
