@@ -2,8 +2,7 @@
 
 For each shape (350m unless ``--scale``: phase one of Block AttnRes, S = 2L/8 sites against 8
 completed blocks; one site over N = 9 .. 2L+1 sources), every configuration of one launch kind
-(``fwd``, ``bwd_stats``, ``bwd_sources``; for one merge site of two-phase routing, the partial
-block and a prior, ``fwd`` and the two-pass ``bwd``) is checked against the package's default configuration
+(``fwd``, ``bwd_stats``, ``bwd_sources``) is checked against the package's default configuration
 (relative L2 difference of the output or of every gradient) and then timed with
 ``triton.testing.do_bench`` (median), the other kinds at their defaults. A configuration whose
 check fails gets no time. It also times the two backward kernels against each other at one site
@@ -38,7 +37,6 @@ if DEVICE == "cpu":
         fn()
         return float("nan")
 CONFIGS = {
-    "bwd": list(itertools.product((1024, 2048, 4096, 8192), (2, 4, 8))),
     "fwd": list(itertools.product((2048, 4096, 8192), (2, 4, 8))),
     "bwd_stats": list(itertools.product((1024, 2048, 4096), (2, 4, 8))),
     "bwd_sources": list(itertools.product((1024, 2048, 4096), (2, 4, 8))),
@@ -69,25 +67,11 @@ def runner(sources, q, gn, douts, dlse, heads):
     return fwd, bwd
 
 
-def merge_runner(sources, q, gn, douts, dlse, heads):
-    """(forward fn, backward fn) of one merge site of two-phase routing: the partial block
-    (``sources[0]``) and a prior (phase one's output and lse for ``sources[1:]``)."""
-    with torch.no_grad():
-        outs, lse = tr.route_sites(sources[1:], q[:1], gn[:1], heads)
-    prior_out, prior_lse = outs[0].requires_grad_(), lse[0].requires_grad_()
-    q1, g1 = q[0].detach().requires_grad_(), gn[0].detach().requires_grad_()
-    inputs = [sources[0], q1, g1, prior_out, prior_lse]
-    fwd = lambda: [tr.merge_route(sources[:1], q1, g1, heads, prior_out, prior_lse)]  # noqa: E731
-    out = fwd()[0]
-    bwd = lambda: torch.autograd.grad(out, inputs, douts[0], retain_graph=True)  # noqa: E731
-    return (lambda: (fwd(), None)), bwd
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", choices=list(SCALES), default="350m")
     ap.add_argument("--out", default=".")
-    ap.add_argument("--shapes", default="phase1,full,merge,one-site", help="comma-separated: which shape families to run")
+    ap.add_argument("--shapes", default="phase1,full,one-site", help="comma-separated: which shape families to run")
     args = ap.parse_args(argv)
     families = set(args.shapes.split(","))
     d, layers, M = SCALES[args.scale]
@@ -105,17 +89,15 @@ def main(argv=None):
             fh.flush()
             print(json.dumps(row), flush=True)
 
-        shapes = [(f"phase1-N8-S{S}-H8", 8, S, 8), (f"phase1-N8-S{S}-H1", 8, S, 1), (f"full-N{2 * layers + 1}-S1-H8", 2 * layers + 1, 1, 8),
-                  ("merge-N1-prior8-H8", 9, 1, 8), ("merge-N1-prior8-H1", 9, 1, 1)]
+        shapes = [(f"phase1-N8-S{S}-H8", 8, S, 8), (f"phase1-N8-S{S}-H1", 8, S, 1), (f"full-N{2 * layers + 1}-S1-H8", 2 * layers + 1, 1, 8)]
         for name, n, sites, heads in shapes:
             if name.split("-")[0] not in families:
                 continue
-            build = merge_runner if name.startswith("merge") else runner
+            build = runner
             data = make(M, d, n, sites, heads)
             fwd, bwd = build(*data, heads)
             ref_out, ref_grads = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in bwd()]
-            kinds = ("fwd", "bwd") if name.startswith("merge") else ("fwd", "bwd_stats", "bwd_sources")
-            for kind, configs in ((k, CONFIGS[k]) for k in kinds):
+            for kind, configs in CONFIGS.items():
                 for elements, warps in configs:
                     tr.TILE_ELEMENTS.update(defaults[0])
                     tr.WARPS.clear()
