@@ -1,7 +1,8 @@
 """Depth-routing kernels and their dispatcher.
 
-``depth_route`` (and the two phases of Block AttnRes, ``route_sites`` and ``merge_route``; and
-``route_norm_decode``, decoding's routing fused with the next RMSNorm) run the fused Triton kernels
+``depth_route`` (and the two phases of Block AttnRes, ``route_sites`` and ``merge_route``;
+``route_norm_decode``, decoding's routing fused with the next RMSNorm, and ``route_sites_decode``,
+the phase one of a group of decoding sites) run the fused Triton kernels
 for CUDA tensors and the plain PyTorch reference otherwise. ``use_backend``
 forces one path: ``use_backend("triton")`` runs the Triton kernels on CPU tensors too, in Triton's
 interpreter (tests). The environment variable ``LIT_MHAR_ROUTING_BACKEND`` sets the default.
