@@ -51,7 +51,9 @@ def resolve_backend(like: Tensor) -> str:
     return "reference"
 
 
-def _impl(like: Tensor):
+def _impl(like: Tensor, name: str = "depth routing"):
+    if not isinstance(like, Tensor):
+        raise ValueError(f"{name}: expected a tensor, got {type(like).__name__}")
     if resolve_backend(like) == "triton":
         from lit_mhar.kernels import triton_routing  # imported on first use: Triton is not needed otherwise
 
@@ -83,7 +85,7 @@ def route_norm_decode(
     prior_out=None, prior_lse=None, n_prior=0,
 ):
     """Dispatching decode-time routing fused with the next RMSNorm; see :func:`lit_mhar.kernels.reference.route_norm_decode`."""
-    return _impl(history).route_norm_decode(
+    return _impl(history, "route_norm_decode: history").route_norm_decode(
         history, n_sources, pending, accumulate, query, gain, heads, norm_weight, norm_eps, stream, gate, eps,
         prior_out, prior_lse, n_prior,
     )
@@ -91,7 +93,7 @@ def route_norm_decode(
 
 def route_sites_decode(history, n_sources, queries, gains, heads=1, eps=1e-6):
     """Dispatching phase one of a group of decode-time sites; see :func:`lit_mhar.kernels.reference.route_sites_decode`."""
-    return _impl(history).route_sites_decode(history, n_sources, queries, gains, heads, eps)
+    return _impl(history, "route_sites_decode: history").route_sites_decode(history, n_sources, queries, gains, heads, eps)
 
 
 __all__ = [

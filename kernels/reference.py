@@ -253,10 +253,8 @@ def _check_decode_prior(history: Tensor, n_sources: int, heads: int, prior_out: 
     lse_shape = (*history.shape[1:-1], heads)
     for name, t, shape in (("prior_out", prior_out, tuple(history.shape[1:])), ("prior_lse", prior_lse, lse_shape)):
         if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.device != history.device or not t.is_floating_point():
-            raise ValueError(
-                f"route_norm_decode: {name} must be a floating {shape} tensor on {history.device}, "
-                f"got {getattr(t, 'shape', t)!r}"
-            )
+            got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, Tensor) else repr(t)
+            raise ValueError(f"route_norm_decode: {name} must be a floating {shape} tensor on {history.device}, got {got}")
 
 
 def check_sites_decode_args(history: Tensor, n_sources: int, queries: Tensor, gains: Tensor, heads: int, eps: float) -> None:
@@ -276,8 +274,13 @@ def check_sites_decode_args(history: Tensor, n_sources: int, queries: Tensor, ga
             f"route_sites_decode: queries {tuple(getattr(queries, 'shape', ()))} and gains {tuple(getattr(gains, 'shape', ()))} "
             f"must both be [G, {d}] with G >= 1"
         )
+    if not queries.is_floating_point() or not gains.is_floating_point():
+        raise ValueError(f"route_sites_decode: queries and gains must be floating, got {queries.dtype} and {gains.dtype}")
     for i in range(queries.shape[0]):
-        check_route_args([history[0]], queries[i], gains[i], heads, None, None)
+        try:
+            check_route_args([history[0]], queries[i], gains[i], heads, None, None)
+        except ValueError as e:
+            raise ValueError(f"route_sites_decode: site {i} of queries / gains: {e}") from None
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
         raise ValueError(f"route_sites_decode: eps={eps!r} must be a finite number >= 0")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (history, queries, gains)):

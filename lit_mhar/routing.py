@@ -27,8 +27,8 @@ from lit_mhar.kernels import depth_route, merge_route, route_norm_decode, route_
 FULL_ROUTING_GROUP = 8
 
 # Decoding with full routing: a group of FULL_ROUTING_GROUP sites whose first site already has at
-# least this many complete slots routes them in one phase-one pass (shorter histories fit the
-# decode kernel's one-program tile, lit_mhar.kernels.triton_routing.DECODE_CHUNK).
+# least this many complete slots routes them in one phase-one pass; each site then reads only the
+# slots written since (BENCHMARKS.md, fourth set). Shorter histories are routed site by site.
 DECODE_PREFIX_MIN_SOURCES = 16
 
 
@@ -184,8 +184,12 @@ class DecodeHistory:
         prefix_min: complete slots from which a group takes the phase-one pass (default
             ``DECODE_PREFIX_MIN_SOURCES``).
 
+    A group whose sites differ in heads or key-norm eps (possible only in an edited model) is routed
+    site by site.
+
     Raises:
-        ValueError: ``block_size``, ``group_size`` or ``prefix_min`` below 1, or ``sites`` not 2L + 1.
+        ValueError: ``block_size``, ``group_size`` or ``prefix_min`` below 1 (or not integers), or
+            ``sites`` not 2L + 1; from :meth:`route_norm`, a site out of order.
     """
 
     def __init__(
@@ -201,8 +205,9 @@ class DecodeHistory:
             raise ValueError(f"DecodeHistory: block_size={block_size} must be >= 1")
         group_size = FULL_ROUTING_GROUP if group_size is None else group_size
         prefix_min = DECODE_PREFIX_MIN_SOURCES if prefix_min is None else prefix_min
-        if group_size < 1 or prefix_min < 1:
-            raise ValueError(f"DecodeHistory: group_size={group_size} and prefix_min={prefix_min} must be >= 1")
+        for name, value in (("group_size", group_size), ("prefix_min", prefix_min)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecodeHistory: {name}={value!r} must be an integer >= 1")
         if sites is not None and len(sites) != n_sublayers + 1:
             raise ValueError(f"DecodeHistory: got {len(sites)} routing sites for {n_sublayers} sublayers; expected {n_sublayers + 1}")
         self.block_size = block_size
@@ -235,18 +240,26 @@ class DecodeHistory:
     def route_norm(self, site: "RoutingSite", norm: nn.RMSNorm, stream: Optional[Tensor] = None) -> Tensor:
         """``norm(route(site))`` ``[..., d]`` for the site about to run; ``stream`` for the additive form."""
         eps = norm.eps if norm.eps is not None else torch.finfo(self.buffer.dtype).eps
+        index = self.n_routed
+        if self.sites is not None:  # checked before any state changes: a refused call can be retried
+            if index >= len(self.sites):
+                raise ValueError(f"DecodeHistory.route_norm: all {len(self.sites)} routing sites have routed already")
+            if self.sites[index] is not site:
+                passed = next((i for i, s in enumerate(self.sites) if s is site), None)
+                raise ValueError(
+                    f"DecodeHistory.route_norm: expected routing site {index}, got "
+                    f"{'one that is not among the model sites' if passed is None else f'site {passed}'} (sites route in order)"
+                )
         if self.pending is None:
             output, n_sources, accumulate = None, self.n_blocks, False
         else:
             output, n_sources, accumulate = self.pending
             self.pending = None
-        index, self.n_routed = self.n_routed, self.n_routed + 1
+        self.n_routed += 1
         prior: dict = {}
         if self.sites is not None:
-            if self.sites[index] is not site:
-                raise ValueError(f"DecodeHistory.route_norm: site {index} is not the model's routing site {index} (sites route in order)")
-            if index % self.group_size == 0 and n_sources >= self.prefix_min:
-                self._prior = self._phase_one(index, n_sources)
+            if index % self.group_size == 0:
+                self._prior = self._phase_one(index, n_sources) if n_sources >= self.prefix_min else None
             if self._prior is not None and self._prior[2] <= index < self._prior[2] + self._prior[0].shape[0]:
                 out, lse, first, n_prior = self._prior
                 prior = dict(prior_out=out[index - first], prior_lse=lse[index - first], n_prior=n_prior)
@@ -255,14 +268,15 @@ class DecodeHistory:
             stream=stream if site.gate is not None else None, gate=site.gate, eps=site.eps, **prior,
         )
 
-    def _phase_one(self, first: int, n_sources: int) -> tuple[Tensor, Tensor, int, int]:
-        """Sites ``first ..`` of a group routed against slots ``0 .. n_sources - 1`` in one pass."""
-        if self._stacked is None:  # once per step: every site's query and gain, [2L + 1, d]
-            self._stacked = (torch.stack([s.query for s in self.sites]), torch.stack([s.key_gain for s in self.sites]))
+    def _phase_one(self, first: int, n_sources: int) -> Optional[tuple[Tensor, Tensor, int, int]]:
+        """Sites ``first ..`` of a group routed against slots ``0 .. n_sources - 1`` in one pass;
+        None (site-by-site routing) for a group whose sites differ in heads or eps."""
         last = min(first + self.group_size, len(self.sites))
         group = self.sites[first:last]
         if any(s.heads != group[0].heads or s.eps != group[0].eps for s in group):
-            raise ValueError("DecodeHistory: the sites of a group must share heads and eps to be routed in one pass")
+            return None
+        if self._stacked is None:  # once per step: every site's query and gain, [2L + 1, d]
+            self._stacked = (torch.stack([s.query for s in self.sites]), torch.stack([s.key_gain for s in self.sites]))
         queries, gains = self._stacked
         out, lse = route_sites_decode(self.buffer, n_sources, queries[first:last], gains[first:last], group[0].heads, group[0].eps)
         return out, lse, first, n_sources

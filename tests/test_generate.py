@@ -168,6 +168,58 @@ def test_full_routing_decode_routes_groups_of_sites_in_one_pass(residual, backen
     assert passes == [(4, 2), (6, 1)] * 2, passes
 
 
+def test_decode_history_refuses_bad_use_before_changing_state(monkeypatch):
+    """A site out of order, one call too many, or a bad group setting: a clear error, and a refused
+    call leaves the history as it was (the retry with the right site works). Sites that differ in
+    eps are routed one by one instead of in a group."""
+    import lit_mhar.routing as routing
+    from lit_mhar.routing import DecodeHistory
+
+    model = tiny_model("attnres", 2, 1, 2, d_model=16, n_head=2, n_kv_head=1, ffn_dim=16)  # 5 sites
+    sites = model.routing_sites()
+    norm = model.blocks[0].attn_norm
+    with torch.no_grad():
+        history = DecodeHistory(torch.randn(2, 16), 1, 4, sites, group_size=2, prefix_min=1)
+        history.route_norm(sites[0], norm)
+        history.append(torch.randn(2, 16), 0)
+        before = (history.pending, history.n_routed)
+        with pytest.raises(ValueError, match="expected routing site 1, got site 3"):
+            history.route_norm(sites[3], norm)
+        with pytest.raises(ValueError, match="not among the model sites"):
+            history.route_norm(model.blocks[0].attn_site.__class__(16, 2, False, 1e-6), norm)
+        assert (history.pending, history.n_routed) == before
+        history.route_norm(sites[1], norm)  # the retry
+        assert history.pending is None and history.n_routed == 2
+        for value in (0, 2.5, "2", True):
+            with pytest.raises(ValueError, match="group_size="):
+                DecodeHistory(torch.randn(2, 16), 1, 4, sites, group_size=value)
+            with pytest.raises(ValueError, match="prefix_min="):
+                DecodeHistory(torch.randn(2, 16), 1, 4, sites, prefix_min=value)
+        with pytest.raises(ValueError, match="5 routing sites for 6 sublayers"):
+            DecodeHistory(torch.randn(2, 16), 1, 6, sites)
+        history = DecodeHistory(torch.randn(2, 16), 1, 4, sites)
+        for i, site in enumerate(sites):
+            history.route_norm(site, norm)
+            if i < 4:
+                history.append(torch.randn(2, 16), i)
+        with pytest.raises(ValueError, match="all 5 routing sites have routed already"):
+            history.route_norm(sites[-1], norm)
+
+    # a group whose sites differ in eps is routed site by site, and decodes like the full forward
+    monkeypatch.setattr(routing, "DECODE_PREFIX_MIN_SOURCES", 1)
+    monkeypatch.setattr(routing, "FULL_ROUTING_GROUP", 2)
+    sites[3].eps = 1e-2
+    passes = []
+    original = routing.route_sites_decode
+    monkeypatch.setattr(routing, "route_sites_decode", lambda h, n, q, *a: passes.append((n, q.shape[0])) or original(h, n, q, *a))
+    idx = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(idx)
+        cached = decode_in_pieces(model, idx, [3, 1, 2])
+    torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
+    assert passes == [(1, 2), (4, 1)] * 2, passes  # groups at sites 0 and 4; sites 2-3 (eps differ) one by one
+
+
 def test_decode_step_compiles_to_one_graph_reused_at_every_position():
     """A tensor ``pos`` and in-place cache writes: one fullgraph compilation serves every step
     (what CUDA graph capture needs too), and it computes the full forward's logits."""

@@ -558,6 +558,9 @@ def test_grouped_decode_refuses_bad_arguments_before_writing(impl):
         (dict(prior_out=out[:2], prior_lse=lse, n_prior=1), "prior_out must be a floating \\(3, 8\\)"),
         (dict(prior_out=out, prior_lse=torch.zeros(3, 4), n_prior=1), "prior_lse must be a floating \\(3, 2\\)"),
     ]
+    bad_prior.append((dict(prior_out=out.long(), prior_lse=lse, n_prior=1), "got \\(3, 8\\) torch.int64 on cpu"))
+    bad_sites.append(((history, 2, q.long(), gain, 2), "queries and gains must be floating"))
+    bad_sites.append(((history, 2, q, gain.to("meta"), 2), "site 0 of queries / gains: .*meta"))
     if impl is tr:
         bad_prior.append((dict(prior_out=out.double(), prior_lse=lse, n_prior=1), "float32"))
     with use_backend("triton"), torch.no_grad():
@@ -570,6 +573,15 @@ def test_grouped_decode_refuses_bad_arguments_before_writing(impl):
             assert torch.equal(history, before), match
     with pytest.raises(ValueError, match="inference"):
         impl.route_sites_decode(history, 2, q.requires_grad_(), gain, 2)
+
+
+def test_dispatchers_refuse_a_history_that_is_not_a_tensor():
+    from lit_mhar import kernels
+
+    with pytest.raises(ValueError, match="route_sites_decode: history: expected a tensor, got list"):
+        kernels.route_sites_decode([torch.randn(3, 8)], 1, torch.randn(1, 8), torch.ones(1, 8), 2)
+    with pytest.raises(ValueError, match="route_norm_decode: history: expected a tensor, got list"):
+        kernels.route_norm_decode([torch.randn(3, 8)], 1, None, False, torch.randn(8), torch.ones(8), 2, torch.ones(8), 1e-5)
 
 
 @pytest.mark.parametrize("impl", [reference.route_norm_decode, tr.route_norm_decode], ids=["reference", "triton"])
