@@ -315,6 +315,14 @@ def test_custom_ops_pass_opcheck():
     for gate_ in (gate, None):  # the backward op too, with and without the outputs a form leaves empty
         bwd_args = ([s.detach() for s in sources], query[None], gain[None], 2, 1e-6, gate_, None, None, lse, [grad.float()], None)
         torch.library.opcheck(torch.ops.lit_mhar.route_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
+    # the decode ops (no autograd): phase one of a group, and a site merging its prior
+    history = torch.randn(6, 3, 64, device=DEVICE)
+    queries, gains = torch.randn(2, 64, device=DEVICE), torch.ones(2, 64, device=DEVICE)
+    with torch.no_grad():
+        torch.library.opcheck(torch.ops.lit_mhar.route_sites_decode, (history, 3, queries, gains, 2, 1e-6), test_utils=("test_schema", "test_faketensor"))
+        out, lse = torch.ops.lit_mhar.route_sites_decode(history, 3, queries, gains, 2, 1e-6)
+        args = (history, 4, torch.randn(3, 64, device=DEVICE), True, queries[0], gains[0], 2, torch.ones(64, device=DEVICE), 1e-5, None, None, 1e-6, out[0], lse[0], 3)
+        torch.library.opcheck(torch.ops.lit_mhar.route_norm_decode, args, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_split_decode_ignores_accumulate_without_a_pending_output():
