@@ -251,17 +251,30 @@ def load_checkpoint(ckpt: str | os.PathLike) -> tuple[ModelConfig, dict[str, Ten
     except ValueError as e:
         raise ValueError(f"ckpt={str(ckpt)!r}: unknown checkpoint format ({e}); {valid}") from None
     except Exception as e:  # torch.load on a file that is no torch checkpoint: RuntimeError, UnpicklingError, ...
-        raise ValueError(f"ckpt={str(ckpt)!r}: unknown checkpoint format (torch.load: {type(e).__name__}: {e}); {valid}") from None
+        raise ValueError(
+            f"ckpt={str(ckpt)!r} is not a checkpoint lit-mhar can read: unknown checkpoint format "
+            f"(torch.load could not read the file: {type(e).__name__}); {valid}"
+        ) from None
 
 
 def tokenizer_candidates(ckpt: str | os.PathLike, checkpoint: dict[str, Any]) -> list[Path]:
     """Where the tokenizer of a checkpoint may be, in the order looked at: ``tokenizer.json`` beside
     the checkpoint, then in the dataset folder of the checkpoint's DataModule hyperparameters
-    (``datamodule_hyper_parameters["data_dir"]``, which ``lit-mhar fit`` checkpoints store)."""
-    paths = [Path(ckpt).expanduser().parent / TOKENIZER_NAME]
+    (``datamodule_hyper_parameters["data_dir"]``, which ``lit-mhar fit`` checkpoints store). A
+    relative dataset folder was relative to the folder training ran in, which is not stored: it is
+    looked for from each folder above the checkpoint (nearest first; ``lit-mhar fit`` writes
+    checkpoints under ``runs/`` in the folder it runs in), then from the current folder."""
+    ckpt_path = Path(ckpt).expanduser()
+    paths = [ckpt_path.parent / TOKENIZER_NAME]
     data_dir = (checkpoint.get("datamodule_hyper_parameters") or {}).get("data_dir")
     if data_dir:
-        paths.append(Path(str(data_dir)).expanduser() / TOKENIZER_NAME)
+        data = Path(str(data_dir)).expanduser()
+        if data.is_absolute():
+            paths.append(data / TOKENIZER_NAME)
+        else:
+            for root in [*ckpt_path.absolute().parent.parents, Path.cwd()]:
+                if root / data / TOKENIZER_NAME not in paths:
+                    paths.append(root / data / TOKENIZER_NAME)
     return paths
 
 

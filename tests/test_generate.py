@@ -426,8 +426,9 @@ def test_prompt_longer_than_the_context_is_refused_before_the_model_is_built(tra
 def test_unknown_checkpoint_formats_are_refused(trained, tmp_path):
     text = tmp_path / "notes.ckpt"
     text.write_text("not a checkpoint")
-    with pytest.raises(ValueError, match="unknown checkpoint format"):
+    with pytest.raises(ValueError, match="is not a checkpoint lit-mhar can read: unknown checkpoint format") as e:
         generate(str(text), "x", verbose=False)
+    assert "torch.save" not in str(e.value)  # torch's own advice to re-save the file is not for this user
     other = tmp_path / "other.ckpt"
     torch.save({"state_dict": {}, "hyper_parameters": {"lr": 1.0}}, other)
     with pytest.raises(ValueError, match="unknown checkpoint format.*not a lit-mhar checkpoint"):
@@ -449,6 +450,29 @@ def test_missing_tokenizer_is_refused_and_one_beside_the_checkpoint_is_used(trai
     assert len(generate(str(moved), "x", max_new_tokens=3, seed=0, stop_at_eos=False, verbose=False).token_ids[0]) == 3
     with pytest.raises(FileNotFoundError, match="tokenizer='nowhere.json'"):
         generate(str(moved), "x", tokenizer="nowhere.json", verbose=False)
+
+
+def test_a_relative_dataset_folder_is_found_from_the_folders_above_the_checkpoint(trained, tmp_path, monkeypatch):
+    """``lit-mhar fit --data.data_dir data/x`` stores the relative path: generate run from another
+    folder finds the dataset's tokenizer beside the ``runs/`` the checkpoint is in, not in the folder
+    it runs in (which may hold another dataset of that name)."""
+    from lit_mhar.generate import find_tokenizer
+
+    state = torch.load(trained["ckpt"], map_location="cpu", weights_only=False)
+    state["datamodule_hyper_parameters"]["data_dir"] = "data/stdlib"
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "data" / "stdlib").mkdir(parents=True)
+    (project / "data" / "stdlib" / "tokenizer.json").write_bytes((trained["data"] / "tokenizer.json").read_bytes())
+    (elsewhere / "data" / "stdlib").mkdir(parents=True)
+    (elsewhere / "data" / "stdlib" / "tokenizer.json").write_text("{}")  # another dataset's, in the current folder
+    ckpt = project / "runs" / "1" / "abc" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save(state, ckpt)
+    monkeypatch.chdir(elsewhere)
+    assert find_tokenizer(ckpt, state) == project / "data" / "stdlib" / "tokenizer.json"
+    assert len(generate(str(ckpt), "x", max_new_tokens=2, seed=0, stop_at_eos=False, verbose=False).token_ids[0]) == 2
+    (project / "data" / "stdlib" / "tokenizer.json").unlink()  # then the current folder's, as before
+    assert find_tokenizer(ckpt, state) == Path.cwd() / "data" / "stdlib" / "tokenizer.json"
 
 
 def test_cli_refuses_a_negative_temperature(trained, capsys):
