@@ -53,6 +53,8 @@ def check_route_args(
             raise ValueError(f"depth_route: {name} has shape {tuple(p.shape)}; expected ({d},)")
         if p is not None and p.device != device:
             raise ValueError(f"depth_route: {name} is on {p.device}, the sources on {device}; all on one device")
+        if p is not None and not p.is_floating_point():
+            raise ValueError(f"depth_route: {name} has dtype {p.dtype}; expected a floating dtype")
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or d % heads:
         raise ValueError(f"depth_route: heads={heads!r} must be a positive divisor of the width d={d}")
     if (stream is None) != (gate is None):
@@ -61,6 +63,8 @@ def check_route_args(
         raise ValueError(f"depth_route: stream has shape {tuple(stream.shape)}; expected {tuple(shape)}")
     if stream is not None and stream.device != device:
         raise ValueError(f"depth_route: stream is on {stream.device}, the sources on {device}; all on one device")
+    if stream is not None and not stream.is_floating_point():
+        raise ValueError(f"depth_route: stream has dtype {stream.dtype}; expected a floating dtype")
 
 
 def depth_route(

@@ -120,6 +120,15 @@ def test_routing_op_with_one_head_is_single_head_attnres():
     torch.testing.assert_close(depth_route(sources, q, gain, heads=1), expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["query", "gain", "gate", "stream"])
+def test_routing_op_refuses_integer_parameters_naming_them(name):
+    sources = [torch.randn(3, 8) for _ in range(2)]
+    args = dict(query=torch.randn(8), gain=torch.ones(8), stream=torch.randn(3, 8), gate=torch.randn(8))
+    args[name] = args[name].long()
+    with pytest.raises(ValueError, match=f"depth_route: {name} has dtype torch.int64; expected a floating dtype"):
+        depth_route(sources, args["query"], args["gain"], 2, stream=args["stream"], gate=args["gate"])
+
+
 def test_mhar_heads_normalise_keys_over_full_width_then_slice():
     g = torch.Generator().manual_seed(4)
     sources = [torch.randn(3, 4, 32, generator=g, dtype=torch.float64) for _ in range(5)]
