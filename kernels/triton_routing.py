@@ -978,8 +978,9 @@ def merge_route(
 # Decode kernel geometry (``benchmarks/tune_decode.py``; per launch inside a CUDA graph, 350m, bf16,
 # H = 8, batch 1 and 32; BENCHMARKS.md). A site's program loops over its slots in tiles of
 # DECODE_TILE_ELEMENTS fp32 elements (2 slots at d = 1024) on DECODE_WARPS warps: a block site over
-# 9 slots and the pending output measured 4.9 us in 2-slot tiles, 8.3 in 4-slot ones, 14.0 in one
-# 16-slot tile (whose 255 registers per thread spilled, by Nsight Compute). A history longer than
+# 9 slots and the pending output measured 4.9 us in 2-slot tiles, 8.3 in 4-slot ones, 14.0 in
+# 8-slot ones, 10.8 in one 16-slot tile on 4 warps (the former geometry, whose 255 registers per
+# thread spilled, by Nsight Compute) and 15.4 on 8. A history longer than
 # DECODE_CHUNK slots (at d <= 2048) without a prior is split over programs of that many slots and
 # merged by a second launch (8 warps). Phase one of a group of sites (route_sites_decode): tiles
 # of DECODE_SITES_TILE_ELEMENTS on DECODE_SITES_WARPS warps.
