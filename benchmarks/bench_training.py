@@ -10,13 +10,19 @@ MFU = tokens/s x ``LM.flops_per_token(seq_len)`` / peak, with the datasheet's de
 (989 TFLOP/s, H100/H200 SXM) and the bf16 matmul rate measured in the same run.
 
     python benchmarks/bench_training.py --scale 350m --out results/   # appends CSV rows
+    python benchmarks/bench_training.py --scale 350m --variants prenorm,mhar-block8-H8,mhar-block8-H8:fwd1
+
+A variant ``name:knob`` runs with a kernel setting of :data:`KNOBS` changed, beside the defaults.
+``host_ms`` is the host's time to enqueue one step onto an idle GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import gc
+import importlib
 import json
 import os
 import sys
@@ -43,8 +49,53 @@ VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L su
     "delta-full-H8-persite": dict(residual="delta", heads=8, block_size=1, full_routing_group=1),
     "hyper-dhc-n4": dict(residual="hyper", hc_rate=4, hc_dynamic=True),  # its connections run eagerly, like routing
 }
-FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "mfu_datasheet", "mfu_measured",
+# Kernel settings against the defaults, same model, side by side: "<variant>:<knob>" (several
+# knobs joined by ":"). Each knob is {(module, attribute[, key]): value}, set while the variant runs.
+TR = "lit_mhar.kernels.triton_routing"
+KNOBS = {
+    "custom-op": {(TR, "EAGER_FUNCTION"): False},  # eager calls through the custom op's autograd
+    "fwd1": {(TR, "FWD_SITES"): 1},  # one site per forward program
+    "fwd4": {(TR, "FWD_SITES"): 4},
+    "fwd8": {(TR, "FWD_SITES"): 8},
+    "bwd4096": {(TR, "TILE_ELEMENTS", "bwd"): 4096, (TR, "ELEMENTS_PER_THREAD", "bwd"): 16},  # the former two-pass tiles
+}
+FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "mfu_measured",
           "peak_mem_GiB", "mem_ratio_vs_prenorm", "loss", "compile_s", "matmul_TFLOPs", "status", "note"]
+
+
+def split_variant(name: str) -> tuple[dict, list[str]]:
+    """``(config overrides, knob names)`` of ``"<variant>[:<knob>...]"``; ValueError names an unknown part."""
+    base, *knob_names = name.split(":")
+    if base not in VARIANTS:
+        raise ValueError(f"unknown variant {base!r}; valid: {list(VARIANTS)}")
+    for k in knob_names:
+        if k not in KNOBS:
+            raise ValueError(f"unknown knob {k!r} in {name!r}; valid: {list(KNOBS)}")
+    return VARIANTS[base], knob_names
+
+
+@contextlib.contextmanager
+def knobs(names: list[str]):
+    """Set the named :data:`KNOBS` for the duration, then restore the defaults."""
+    saved = []
+    try:
+        for name in names:
+            for (module, attr, *key), value in KNOBS[name].items():
+                target = getattr(importlib.import_module(module), attr) if key else importlib.import_module(module)
+                field = key[0] if key else attr
+                if key:
+                    saved.append((target, field, target[field], True))
+                    target[field] = value
+                else:
+                    saved.append((target, field, getattr(target, field), False))
+                    setattr(target, field, value)
+        yield
+    finally:
+        for target, field, value, is_key in reversed(saved):
+            if is_key:
+                target[field] = value
+            else:
+                setattr(target, field, value)
 
 
 def matmul_tflops() -> float:
@@ -112,8 +163,17 @@ def run_variant(scale, name, overrides, batch, seq, steps, warmup, compile_):
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / steps
     peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+    # host time: one step enqueued onto an idle GPU (synchronised before and after), so the host
+    # never waits for the GPU; a host_ms close to step_ms means the step is bound by the host
+    host = []
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        loss = step()
+        host.append(time.perf_counter() - t0)
+        sync()
     result = dict(
-        step_ms=ms, tokens_per_s=batch * seq / ms * 1e3, peak=peak, loss=loss.item(),
+        step_ms=ms, host_ms=min(host) * 1e3, tokens_per_s=batch * seq / ms * 1e3, peak=peak, loss=loss.item(),
         flops_per_token=model.flops_per_token(seq), compile_s=compile_s,
     )
     del model, step, loss
@@ -134,6 +194,8 @@ def main(argv=None):
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     torch._dynamo.config.cache_size_limit = 64  # one entry per module class and shape; never fall back to eager
+    for name in args.variants.split(","):
+        split_variant(name)  # an unknown variant or knob stops here, before any work
     batch, seq, _ = SCALES[args.scale]
     batch = args.batch or batch
     peak_measured = matmul_tflops()
@@ -148,12 +210,14 @@ def main(argv=None):
         for name in args.variants.split(","):
             row = dict(scale=args.scale, variant=name, batch=batch, seq=seq, steps=args.steps, matmul_TFLOPs=f"{peak_measured:.0f}")
             try:
-                r = run_variant(args.scale, name, VARIANTS[name], batch, seq, args.steps, args.warmup, not args.no_compile)
+                overrides, knob_names = split_variant(name)
+                with knobs(knob_names):
+                    r = run_variant(args.scale, name, overrides, batch, seq, args.steps, args.warmup, not args.no_compile)
                 if name == "prenorm":
                     base = r
                 flops = r["tokens_per_s"] * r["flops_per_token"]
                 row.update(
-                    status="ok", tokens_per_s=f"{r['tokens_per_s']:.0f}", step_ms=f"{r['step_ms']:.1f}",
+                    status="ok", tokens_per_s=f"{r['tokens_per_s']:.0f}", step_ms=f"{r['step_ms']:.1f}", host_ms=f"{r['host_ms']:.1f}",
                     mfu_datasheet=f"{flops / DATASHEET_TFLOPS / 1e12:.3f}", mfu_measured=f"{flops / peak_measured / 1e12:.3f}",
                     peak_mem_GiB=f"{r['peak'] / 2**30:.2f}", loss=f"{r['loss']:.4f}", compile_s=f"{r['compile_s']:.0f}",
                 )

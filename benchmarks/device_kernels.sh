@@ -60,7 +60,7 @@ python3 - "$OUT" <<'PY'
 import csv, os, sys
 out = sys.argv[1]
 for name, cols in (("op_bench.csv", ["scale", "N", "H", "variant", "status", "fwd_ms", "bwd_ms", "both_ms", "fwd_frac_copy", "bwd_frac_copy", "err_out", "err_dsrc", "err_dq"]),
-                   ("train_bench.csv", ["scale", "variant", "status", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "mfu_datasheet", "peak_mem_GiB", "mem_ratio_vs_prenorm", "note"])):
+                   ("train_bench.csv", ["scale", "variant", "status", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "peak_mem_GiB", "mem_ratio_vs_prenorm", "note"])):
     p = os.path.join(out, name)
     if os.path.exists(p):
         print(name)

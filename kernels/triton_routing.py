@@ -72,8 +72,8 @@ MAX_BLOCK_D = 16384
 # caps sites x width of the two-pass backward, which holds every site's gradient of a token (one
 # token per program); it runs single sites only, unless ``SITE_LOOP_MIN_SITES`` is raised
 # (benchmarks compare the two that way).
-TILE_ELEMENTS = {"fwd": 4096, "bwd": 4096, "bwd_stats": 2048, "bwd_sources": 2048}
-ELEMENTS_PER_THREAD = {"fwd": 32, "bwd": 16, "bwd_stats": 16, "bwd_sources": 16}
+TILE_ELEMENTS = {"fwd": 4096, "bwd": 2048, "bwd_stats": 2048, "bwd_sources": 2048}
+ELEMENTS_PER_THREAD = {"fwd": 32, "bwd": 8, "bwd_stats": 16, "bwd_sources": 16}
 # Warps per program by launch kind where set (benchmarks/tune_tiles.py tries them); else from the tile.
 WARPS: dict[str, int] = {}
 MAX_TILE_ELEMENTS = 8192
@@ -83,6 +83,14 @@ MAX_TILE_ELEMENTS = 8192
 # replacement form: within 1% at 9 sources with H = 1, faster with H = 8 and at every larger N).
 SITE_LOOP_MIN_SITES = 2
 SITE_LOOP_MIN_SOURCES = 9
+# Sites one forward program routes together (at most; a power of two dividing the pass's sites,
+# so no site slot is padding): a source tile is then loaded, converted and normalised once per
+# group instead of once per site.
+FWD_SITES = 2
+# Eager calls (not under torch.compile) run the op's autograd through a torch.autograd.Function
+# calling the same kernels, which skips the custom op's per-call Python (argument flattening and
+# checks, about 0.3 ms per call on a CPU of this project's CI); torch.compile traces the custom op.
+EAGER_FUNCTION = True
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -112,11 +120,13 @@ def _route_fwd(
 ):
     # Every tensor is 4-D (site, token, head, lane) and every sum keeps its axis, so that all of
     # them share one register layout: no tile is ever shuffled through shared memory.
-    # One program per (token tile, site), the site varying fastest (BS == 1): the programs of one
-    # tile run together, so each source tile comes from HBM once and from L2 for the other sites.
+    # One program per (token tile, group of BS sites), the group varying fastest: the programs of
+    # one tile run together, so each source tile comes from HBM once and from L2 for the other
+    # groups; within a group a source tile is loaded, converted and normalised once for BS sites.
     pid = tl.program_id(0)
-    s_i = tl.arange(0, BS)[:, None, None, None] + pid % n_sites
-    rows = tl.cast(pid // n_sites, tl.int64) * BM + tl.arange(0, BM)[None, :, None, None]
+    n_groups = (n_sites + BS - 1) // BS
+    s_i = tl.arange(0, BS)[:, None, None, None] + (pid % n_groups) * BS
+    rows = tl.cast(pid // n_groups, tl.int64) * BM + tl.arange(0, BM)[None, :, None, None]
     h_i = tl.arange(0, BH)[None, None, :, None]
     j_i = tl.arange(0, BDH)[None, None, None, :]
     col = h_i * DH + j_i  # [1, 1, BH, BDH] channel of (head, lane)
@@ -605,6 +615,14 @@ def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple
     return bs, rows, warps, bh, bdh
 
 
+def _fwd_sites(n_sites: int) -> int:
+    """Sites per forward program: the largest power of two <= ``FWD_SITES`` dividing ``n_sites``."""
+    group = 1
+    while group * 2 <= FWD_SITES and n_sites % (group * 2) == 0:
+        group *= 2
+    return group
+
+
 def _new(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
     t = torch.empty(shape, dtype=dtype, device=device)
     return t.fill_(float("nan")) if POISON_OUTPUTS else t
@@ -619,11 +637,26 @@ def _aligned(t: Tensor) -> Tensor:
 def _offsets(tensors: Sequence[Tensor], base: Tensor) -> Tensor:
     """int64 element offsets of ``tensors`` from ``base`` (same dtype, 16-byte aligned), on its device,
     plus one spare 0 so that the kernels can read the next entry unconditionally."""
-    size = base.element_size()
-    offs = [(t.data_ptr() - base.data_ptr()) // size for t in tensors] + [0]
-    if base.device.type == "cuda":
+    size, start = base.element_size(), base.data_ptr()
+    offs = tuple((t.data_ptr() - start) // size for t in tensors) + (0,)
+    if base.device.type != "cuda":
+        return torch.tensor(offs, dtype=torch.int64)
+    # Training allocates the same buffers at the same addresses step after step, so a table is
+    # usually one already on the device: reuse it (no host-to-device copy). Tables are read-only.
+    key = (base.device.index, offs)
+    table = _OFFSET_TABLES.get(key)
+    if table is None and torch.cuda.is_current_stream_capturing():  # a graph's copy: not for later calls
         return torch.tensor(offs, dtype=torch.int64, pin_memory=True).to(base.device, non_blocking=True)
-    return torch.tensor(offs, dtype=torch.int64)
+    if table is None:
+        if len(_OFFSET_TABLES) >= _OFFSET_TABLES_MAX:
+            _OFFSET_TABLES.clear()
+        table = torch.tensor(offs, dtype=torch.int64, pin_memory=True).to(base.device, non_blocking=True)
+        _OFFSET_TABLES[key] = table
+    return table
+
+
+_OFFSET_TABLES: dict[tuple, Tensor] = {}
+_OFFSET_TABLES_MAX = 4096
 
 
 def _check_dtypes(sources: Sequence[Tensor]) -> None:
@@ -643,7 +676,8 @@ def _forward(
     interpret = like.device.type != "cuda"
     if n_sites < SITE_LOOP_MIN_SITES and n_sites > 1:  # the two-pass backward's limit on sites per pass, checked before any work
         _tile("bwd", n_sites, d, heads, interpret)
-    _, bm, warps, bh, bdh = _tile("fwd", 1, d, heads, interpret)
+    group = _fwd_sites(n_sites)
+    _, bm, warps, bh, bdh = _tile("fwd", group, d, heads, interpret)
     srcs = [_aligned(s) for s in sources]
     base = srcs[0] if srcs else _aligned(prior_out)
     w = (queries.float() * gains.float()).contiguous()
@@ -654,7 +688,7 @@ def _forward(
     lse = _new((n_sites, *shape[:-1], heads), torch.float32, like.device)
     scores = _new((n_src, *shape[:-1], heads) if store_scores else (0,), torch.float32, like.device)
     dummy = w
-    _kernel("fwd", interpret)[(triton.cdiv(M, bm) * n_sites,)](
+    _kernel("fwd", interpret)[(triton.cdiv(M, bm) * (n_sites // group),)](
         base, _offsets(srcs, base), n_src,
         w, n_sites,
         outs[0], _offsets(outs, outs[0]),
@@ -663,7 +697,7 @@ def _forward(
         _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
         scores if store_scores else dummy,
         M, eps,
-        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, BS=1, BM=bm, ALIGN=16 // base.element_size(),
+        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, BS=group, BM=bm, ALIGN=16 // base.element_size(),
         ADDITIVE=stream is not None, HAS_PRIOR=prior_out is not None, STORE_SCORES=store_scores,
         num_warps=warps,
     )
@@ -879,6 +913,56 @@ def _backward_rule(ctx, grads):
 route_fwd.register_autograd(_backward_rule, setup_context=_setup_context)
 
 
+class _RouteFunction(torch.autograd.Function):
+    """Eager autograd of :func:`route_fwd`: the same kernels and gradients as the custom op's
+    registered autograd, without the custom op's per-call argument handling (``EAGER_FUNCTION``).
+
+    ``apply(heads, eps, store_scores, queries, gains, stream, gate, prior_out, prior_lse, *sources)``
+    returns the custom op's outputs as a tuple.
+    """
+
+    @staticmethod
+    def forward(ctx, heads, eps, store_scores, queries, gains, stream, gate, prior_out, prior_lse, *sources):
+        outs = _forward(list(sources), queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores)
+        n_out = 1 if stream is not None else queries.shape[0]
+        ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, outs[n_out], *sources)
+        ctx.heads, ctx.eps, ctx.n_out, ctx.additive = heads, eps, n_out, stream is not None
+        ctx.mark_non_differentiable(outs[n_out + 1])
+        ctx.set_materialize_grads(False)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        queries, gains, gate, prior_out, prior_lse, lse, *sources = ctx.saved_tensors
+        grad_outs, grad_lse = list(grads[: ctx.n_out]), grads[ctx.n_out]
+        n_src = len(sources)
+        if all(g is None for g in grad_outs) and grad_lse is None:
+            return (None,) * (9 + n_src)
+        like = sources[0] if sources else prior_out
+        dtype = next((g.dtype for g in grad_outs if g is not None), like.dtype)
+        grad_outs = [torch.zeros(like.shape, dtype=dtype, device=like.device) if g is None else g for g in grad_outs]
+        d_src, d_q, d_g, d_gate, d_prior, d_prior_lse = _backward(
+            sources, queries, gains, ctx.heads, ctx.eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse
+        )
+        return (
+            None, None, None,
+            d_q, d_g,
+            grad_outs[0] if ctx.additive else None,  # d stream = d out
+            d_gate if gate is not None else None,
+            d_prior if prior_out is not None else None,
+            d_prior_lse if prior_lse is not None else None,
+            *d_src.unbind(0),
+        )
+
+
+def _route(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores):
+    """:func:`route_fwd` with autograd: the custom op under ``torch.compile``, else (with
+    ``EAGER_FUNCTION``) :class:`_RouteFunction`, which runs the same kernels."""
+    if EAGER_FUNCTION and not torch.compiler.is_compiling():
+        return _RouteFunction.apply(heads, eps, store_scores, queries, gains, stream, gate, prior_out, prior_lse, *sources)
+    return torch.ops.lit_mhar.route_fwd(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores)
+
+
 # ----------------------------------------------------------------------------------------------
 # Public functions: the same signatures as lit_mhar.kernels.reference
 # ----------------------------------------------------------------------------------------------
@@ -922,7 +1006,7 @@ def depth_route(
     """
     check_route_args(sources, query, gain, heads, stream, gate)
     srcs = _common_dtype(sources)
-    res = torch.ops.lit_mhar.route_fwd(srcs, query[None], gain[None], heads, eps, stream, gate, None, None, return_weights)
+    res = _route(srcs, query[None], gain[None], heads, eps, stream, gate, None, None, return_weights)
     if not return_weights:
         return res[0]
     lse, scores = res[1], res[2]
@@ -942,7 +1026,7 @@ def route_sites(
         raise ValueError(f"route_sites: queries {tuple(queries.shape)} and gains {tuple(gains.shape)} must both be [S, d]")
     check_route_args(sources, queries[0], gains[0], heads, None, None)
     srcs = _common_dtype(sources)
-    res = torch.ops.lit_mhar.route_fwd(srcs, queries, gains, heads, eps, None, None, None, None, False)
+    res = _route(srcs, queries, gains, heads, eps, None, None, None, None, False)
     S = queries.shape[0]
     return list(res[:S]), res[S]
 
@@ -965,9 +1049,7 @@ def merge_route(
     if sources:
         check_route_args(sources, query, gain, heads, stream, gate)
     srcs = _common_dtype(sources) if sources else []
-    return torch.ops.lit_mhar.route_fwd(
-        srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False
-    )[0]
+    return _route(srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False)[0]
 
 
 

@@ -187,6 +187,62 @@ def test_two_phase_block_routing_equals_plain_routing_full_grid(n_completed, sit
     assert max(out_errs) < TOL[dtype] and max(grad_errs) < TOL[dtype], (out_errs, grad_errs)
 
 
+@pytest.mark.parametrize("fwd_sites", [1, 4, 8])
+def test_forward_site_groups_match_float64_reference(monkeypatch, fwd_sites):
+    """Phase one with the forward's sites routed 1, 4 or 8 per program (``FWD_SITES``; a group size
+    must divide S, so S = 8 runs 8 / 4 / 1 per program and S = 6 at most 2): outputs, lse and every
+    gradient against float64 routing, on a token count no tile divides."""
+    monkeypatch.setattr(tr, "FWD_SITES", fwd_sites)
+    for sites, expected in ((8, fwd_sites), (6, min(2, fwd_sites))):
+        assert tr._fwd_sites(sites) == expected
+        g = torch.Generator().manual_seed(11 + sites)
+        srcs = [(torch.randn(67, 96, generator=g) * (1 + i)).to(DEVICE) for i in range(3)]
+        queries = (0.6 * torch.randn(sites, 96, generator=g)).to(DEVICE)
+        gains = (1 + 0.3 * torch.randn(sites, 96, generator=g)).to(DEVICE)
+        douts = [torch.randn(67, 96, generator=g).to(DEVICE) for _ in range(sites)]
+        dlse = torch.randn(sites, 67, 4, generator=g).to(DEVICE)
+
+        def run(impl, cast):
+            leaves = [cast(x).requires_grad_() for x in (*srcs, queries, gains)]
+            outs, lse = impl.route_sites(leaves[:3], leaves[3], leaves[4], 4)
+            loss = sum((o.double() * d_.double()).sum() for o, d_ in zip(outs, douts)) + (lse.double() * dlse.double()).sum()
+            return [*outs, lse, *torch.autograd.grad(loss, leaves)]
+
+        with use_backend("triton"):
+            got = run(tr, lambda x: x.detach().clone())
+        ref = run(reference, lambda x: x.detach().double())
+        errs = [rel_err(a, b) for a, b in zip(got, ref)]
+        assert max(errs) < TOL[torch.float32], (sites, errs)
+
+
+@pytest.mark.parametrize("additive", [False, True], ids=["replace", "additive"])
+def test_eager_function_and_custom_op_give_identical_results(monkeypatch, additive):
+    """Eager calls run the op's autograd through a torch.autograd.Function (``EAGER_FUNCTION``),
+    torch.compile through the custom op's registered autograd: same kernels, so the same bits, for
+    phase one, a merge with a prior (and the additive form's stream and gate) and their gradients."""
+    g = torch.Generator().manual_seed(5)
+    srcs = [torch.randn(2, 19, 64, generator=g).to(DEVICE, torch.bfloat16) for _ in range(4)]
+    partial = torch.randn(2, 19, 64, generator=g).to(DEVICE, torch.bfloat16)
+    queries, gains = (0.5 * torch.randn(2, 64, generator=g)).to(DEVICE), (1 + 0.2 * torch.randn(2, 64, generator=g)).to(DEVICE)
+    stream = torch.randn(2, 19, 64, generator=g).to(DEVICE) if additive else None
+    gate = torch.randn(64, generator=g).to(DEVICE) if additive else None
+    dout = torch.randn(2, 19, 64, generator=g).to(DEVICE)
+
+    def run(eager_function):
+        monkeypatch.setattr(tr, "EAGER_FUNCTION", eager_function)
+        leaves = [x.detach().clone().requires_grad_() for x in (*srcs, partial, queries, gains)]
+        extra = [x.detach().clone().requires_grad_() for x in (stream, gate)] if additive else [None, None]
+        with use_backend("triton"):
+            outs, lse = tr.route_sites(leaves[:4], leaves[5], leaves[6], 2)
+            merged = tr.merge_route([leaves[4]], leaves[5][1], leaves[6][1], 2, outs[1], lse[1], *extra)
+        loss = (merged.float() * dout).sum() + outs[0].float().square().sum()
+        grads = torch.autograd.grad(loss, leaves + [x for x in extra if x is not None])
+        return [outs[0], merged, *grads]
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
+
+
 def test_reference_two_phase_equals_plain_routing_in_float64():
     g = torch.Generator().manual_seed(3)
     a = [torch.randn(4, 5, 24, generator=g, dtype=torch.float64) for _ in range(4)]
