@@ -58,6 +58,7 @@ KNOBS = {
     "fwd4": {(TR, "FWD_SITES"): 4},
     "fwd8": {(TR, "FWD_SITES"): 8},
     "bwd4096": {(TR, "TILE_ELEMENTS", "bwd"): 4096, (TR, "ELEMENTS_PER_THREAD", "bwd"): 16},  # the former two-pass tiles
+    "grid32": {(TR, "OCCUPANCY_GRIDS"): False},  # persistent backward grids of 32 warps per SM, not sized by registers
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "mfu_measured",
           "peak_mem_GiB", "mem_ratio_vs_prenorm", "loss", "compile_s", "matmul_TFLOPs", "status", "note"]
@@ -235,6 +236,13 @@ def main(argv=None):
             writer.writerow(row)
             fh.flush()
             print(json.dumps(row), flush=True)
+    if DEVICE == "cuda":  # the backward kernels' persistent grids, as sized (programs per SM)
+        from lit_mhar.kernels import triton_routing as tr
+
+        for key, programs in getattr(tr, "_RESIDENT", {}).items():
+            print(f"resident programs per SM: {programs} for {key[0]} {dict(key[2])}", flush=True)
+        for key, why in getattr(tr, "_RESIDENT_FALLBACKS", {}).items():
+            print(f"resident programs not read for {key[0]}: {why}", flush=True)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ for s in $SCALES; do
   fi
   if [[ " $STEPS " == *" train "* ]]; then
     timeout ${TRAIN_TIMEOUT:-200} python3 "$R/benchmarks/bench_training.py" --scale $s --variants $TRAIN_VARIANTS --out "$OUT" >> "$OUT/train.log" 2>&1
-    echo "train $s exit $? at $SECONDS s"
+    echo "train $s exit $? at $SECONDS s"; grep "resident programs" "$OUT/train.log" | sort -u | tail -n 8
   fi
   if [[ " $STEPS " == *" tune "* ]]; then
     timeout ${TUNE_TIMEOUT:-220} python3 "$R/benchmarks/tune_tiles.py" --scale $s ${TUNE_ARGS:-} --out "$OUT" > "$OUT/tune-$s.log" 2>&1

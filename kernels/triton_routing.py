@@ -583,6 +583,42 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+_RESIDENT: dict = {}
+_RESIDENT_FALLBACKS: dict = {}  # configurations whose registers could not be read, and why
+# Size the persistent grids of the backward kernels by the programs an SM holds (True), or as 32
+# warps' worth of programs per SM whatever the registers allow (False; a benchmark knob).
+OCCUPANCY_GRIDS = True
+
+
+def _resident_programs(name: str, device: torch.device, args: tuple, kwargs: dict) -> int:
+    """Programs of kernel ``name`` compiled for these arguments that one SM holds at once (its
+    registers, shared memory and threads), so that a persistent grid is a whole number of waves.
+
+    Compiles (or finds in Triton's cache) without launching, once per configuration: the answer,
+    and so the grid and the fixed order of the partial sums, is the same at every call. Falls back
+    to 32 warps' worth of programs where Triton does not report its registers.
+    """
+    warps = kwargs["num_warps"]
+    if not OCCUPANCY_GRIDS:
+        return max(1, 32 // warps)
+    key = (name, device.index or 0, tuple(sorted(kwargs.items())), tuple(a.dtype for a in args if isinstance(a, Tensor)))
+    if key not in _RESIDENT:
+        fallback = max(1, 32 // warps)
+        try:
+            compiled = _kernel(name, False).warmup(*args, grid=(1,), **kwargs)
+            compiled._init_handles()
+            props = torch.cuda.get_device_properties(device)
+            regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256  # allocated per warp in units of 256
+            by_regs = getattr(props, "regs_per_multiprocessor", 65536) // max(1, regs_per_warp * warps)
+            by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+            shared = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // max(1, compiled.metadata.shared)
+            _RESIDENT[key] = max(1, min(by_regs, by_threads, shared, 32))
+        except Exception as e:  # noqa: BLE001 - an estimate for the grid only; the launch reports real errors
+            _RESIDENT[key] = fallback
+            _RESIDENT_FALLBACKS[key] = repr(e)
+    return _RESIDENT[key]
+
+
 def _geometry(d: int, heads: int) -> tuple[int, int, int]:
     """(BH, BDH, padded width) of the [heads, d/heads] register layout. Raises for too wide a d."""
     bh, bdh = triton.next_power_of_2(heads), triton.next_power_of_2(d // heads)
@@ -718,7 +754,6 @@ def _backward(
         return _backward_site_loop(sources, queries, gains, heads, eps, gate, lse, grad_outs, grad_lse)
     bs, bm, warps, bh, bdh = _tile("bwd", n_sites, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
-    programs = min(num_tiles, 2 if interpret else _sm_count(device.index or 0) * max(1, 32 // warps))
     srcs = [_aligned(s) for s in sources]
     base = srcs[0] if srcs else _aligned(prior_out)
     grads = [_aligned(g) for g in grad_outs]
@@ -726,26 +761,37 @@ def _backward(
         grads = [_aligned(g.to(grads[0].dtype)) for g in grads]
     w = (queries.float() * gains.float()).contiguous()
     dsrc = _new((n_src, *shape), like.dtype, device)
-    dw = _new((programs, n_sites, d), torch.float32, device)
-    dgate = _new((programs, d) if gate is not None else (0,), torch.float32, device)
     dprior = _new(shape if prior_out is not None else (0,), prior_out.dtype if prior_out is not None else torch.float32, device)
     dprior_lse = _new(prior_lse.shape if prior_lse is not None else (0,), torch.float32, device)
     dummy = w
-    _kernel("bwd", interpret)[(programs,)](
-        base, _offsets(srcs, base), n_src,
-        w, n_sites,
-        grads[0], _offsets(grads, grads[0]),
-        lse.contiguous(), grad_lse.contiguous() if grad_lse is not None else dummy,
-        gate.contiguous() if gate is not None else dummy,
-        _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
-        dsrc, dw, dgate if gate is not None else dummy,
-        dprior if prior_out is not None else dummy, dprior_lse if prior_lse is not None else dummy,
-        M, eps, num_tiles,
+    flags = dict(
         D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, BS=bs, BM=bm,
         ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(),
         ADDITIVE=gate is not None, HAS_PRIOR=prior_out is not None, HAS_DLSE=grad_lse is not None,
         num_warps=warps,
     )
+
+    def args(dw: Tensor, dgate: Tensor) -> tuple:
+        return (
+            base, _offsets(srcs, base), n_src,
+            w, n_sites,
+            grads[0], _offsets(grads, grads[0]),
+            lse.contiguous(), grad_lse.contiguous() if grad_lse is not None else dummy,
+            gate.contiguous() if gate is not None else dummy,
+            _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
+            dsrc, dw, dgate,
+            dprior if prior_out is not None else dummy, dprior_lse if prior_lse is not None else dummy,
+            M, eps, num_tiles,
+        )
+
+    # persistent programs: as many as the SMs hold at once (one wave), each over a fixed range of tiles
+    if interpret:
+        programs = min(num_tiles, 2)
+    else:
+        programs = min(num_tiles, _sm_count(device.index or 0) * _resident_programs("bwd", device, args(dummy, dummy), flags))
+    dw = _new((programs, n_sites, d), torch.float32, device)
+    dgate = _new((programs, d) if gate is not None else (0,), torch.float32, device)
+    _kernel("bwd", interpret)[(programs,)](*args(dw, dgate if gate is not None else dummy), **flags)
     dw = dw.sum(0)  # fixed-order reduction over programs: deterministic
     q, g = queries.float(), gains.float()
     return [
@@ -780,7 +826,6 @@ def _backward_site_loop(
     _, bm, warps, bh, bdh = _tile("bwd_stats", 1, d, heads, interpret)
     _, bm_src, warps_src, _, _ = _tile("bwd_sources", 1, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
-    per_site = min(num_tiles, 2 if interpret else triton.cdiv(_sm_count(device.index or 0) * max(1, 32 // warps), n_sites))
     srcs = [_aligned(s) for s in sources]
     base = srcs[0]
     grads = [_aligned(g) for g in grad_outs]
@@ -790,20 +835,29 @@ def _backward_site_loop(
     src_offs, g_offs = _offsets(srcs, base), _offsets(grads, grads[0])
     dsum = _new(lse.shape, torch.float32, device)
     score_a = _new((n_sites, n_src, *lse.shape[1:], 2), torch.float32, device)  # s_i and <dr, v_i>_h per site and source
-    dw = _new((per_site * n_sites, d), torch.float32, device)
-    dgate = _new((per_site, d) if gate is not None else (0,), torch.float32, device)
     dsrc = _new((n_src, *shape), like.dtype, device)
     gate_c = gate.contiguous() if gate is not None else w
     geometry = dict(D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size())
     lse = lse.contiguous()
-    _kernel("bwd_stats", interpret)[(per_site * n_sites,)](
-        base, src_offs, n_src, w, n_sites, grads[0], g_offs,
-        lse, grad_lse.contiguous() if grad_lse is not None else w,
-        gate_c, dgate if gate is not None else w,
-        dsum, dw, score_a,
-        M, eps, num_tiles, per_site,
-        **geometry, BM=bm, HAS_DLSE=grad_lse is not None, ADDITIVE=gate is not None, num_warps=warps,
-    )
+    flags = dict(**geometry, BM=bm, HAS_DLSE=grad_lse is not None, ADDITIVE=gate is not None, num_warps=warps)
+
+    def stats_args(dw: Tensor, dgate: Tensor, per_site: int) -> tuple:
+        return (
+            base, src_offs, n_src, w, n_sites, grads[0], g_offs,
+            lse, grad_lse.contiguous() if grad_lse is not None else w,
+            gate_c, dgate, dsum, dw, score_a,
+            M, eps, num_tiles, per_site,
+        )
+
+    # persistent programs for pass one: as many as the SMs hold at once (one wave), spread over the sites
+    if interpret:
+        per_site = min(num_tiles, 2)
+    else:
+        resident = _resident_programs("bwd_stats", device, stats_args(w, w, max(1, 32 // warps)), flags)
+        per_site = min(num_tiles, triton.cdiv(_sm_count(device.index or 0) * resident, n_sites))
+    dw = _new((per_site * n_sites, d), torch.float32, device)
+    dgate = _new((per_site, d) if gate is not None else (0,), torch.float32, device)
+    _kernel("bwd_stats", interpret)[(per_site * n_sites,)](*stats_args(dw, dgate if gate is not None else w, per_site), **flags)
     _kernel("bwd_sources", interpret)[(triton.cdiv(M, bm_src) * n_src,)](
         base, src_offs, n_src, w, n_sites, grads[0], g_offs,
         lse, dsum, score_a, gate_c, dsrc,

@@ -283,6 +283,32 @@ def test_site_loop_backward_is_deterministic():
             assert torch.equal(a, b)
 
 
+@gpu
+@pytest.mark.gpu
+def test_persistent_grids_sized_by_occupancy_match_the_fixed_grids(monkeypatch):
+    """The backward kernels' persistent grids are sized by the programs an SM holds (from the
+    compiled kernel's registers): a whole number in 1 .. 32 per kernel, and the gradients equal
+    those of the fixed 32-warps-per-SM grids up to the order of the float32 partial sums."""
+    sources, query, gain, stream, gate, grad = make_case(9, 8, 1024, 8192, torch.bfloat16, True, seed=7)
+    g = torch.Generator().manual_seed(7)
+    queries, gains = torch.randn(3, 1024, generator=g).to(DEVICE), (1 + 0.3 * torch.randn(3, 1024, generator=g)).to(DEVICE)
+    douts = [torch.randn(sources[0].shape, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
+    leaves = [x.requires_grad_() for x in [*sources, queries, gains, query, gain, gate]]
+    runs = []
+    for occupancy in (True, False):
+        monkeypatch.setattr(tr, "OCCUPANCY_GRIDS", occupancy)
+        outs, lse = tr.route_sites(leaves[:9], leaves[9], leaves[10], 8)  # site loop
+        merged = tr.merge_route(leaves[:1], leaves[11], leaves[12], 8, outs[0], lse[0])  # two-pass kernel (a prior)
+        loss = sum((o.float() * t.float()).sum() for o, t in zip(outs[1:], douts[1:])) + (merged.float() * douts[0].float()).sum()
+        runs.append(torch.autograd.grad(loss, leaves[:13]))
+    assert not tr._RESIDENT_FALLBACKS, tr._RESIDENT_FALLBACKS  # sized from the compiled kernels, not guessed
+    for kind in ("bwd", "bwd_stats"):
+        sized = [v for k, v in tr._RESIDENT.items() if k[0] == kind]
+        assert sized and all(isinstance(v, int) and 1 <= v <= 32 for v in sized), (kind, sized)
+    for a, b in zip(*runs):
+        assert rel_err(a, b.double()) < 1e-3
+
+
 def tiny_model(residual, heads, block_size, n_layer=3):
     cfg = ModelConfig.from_name(
         "debug", residual=residual, heads=heads, block_size=block_size, d_model=32, n_layer=n_layer,
