@@ -6,7 +6,9 @@ variant it writes the step's wall time, the GPU's busy time, and the GPU time pe
 kernel name (top ``--top``), grouped into categories (routing forward / backward, matmul,
 attention, compiled (inductor) kernels, elementwise, reductions and copies), as markdown and JSON.
 
-    python benchmarks/profile_step.py --scale 350m --variants prenorm,mhar-block8-H8 --out results/
+    python benchmarks/profile_step.py --scale 350m --variants prenorm,mhar-block8-H8,mhar-block8-H8:grid32 --out results/
+
+Variants take ``bench_training.py``'s kernel knobs (``<variant>:<knob>``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_training import DEVICE, SCALES, VARIANTS, training_step  # noqa: E402
+from bench_training import DEVICE, SCALES, knobs, split_variant, training_step  # noqa: E402
 
 
 CATEGORIES = (  # first match wins; matched against the lower-cased kernel name
@@ -48,7 +50,13 @@ def categorise(name: str) -> str:
 
 def profile_variant(scale: str, name: str, steps: int, warmup: int, compile_: bool, top: int) -> dict:
     batch, seq, _ = SCALES[scale]
-    _, step = training_step(scale, VARIANTS[name], batch, seq, compile_)
+    overrides, knob_names = split_variant(name)
+    with knobs(knob_names):
+        return _profile(scale, name, overrides, batch, seq, steps, warmup, compile_, top)
+
+
+def _profile(scale, name, overrides, batch, seq, steps, warmup, compile_, top):
+    _, step = training_step(scale, overrides, batch, seq, compile_)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -108,9 +116,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if DEVICE != "cuda":
         raise SystemExit("profile_step.py profiles CUDA kernels: run it on a GPU machine")
-    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; valid: {list(VARIANTS)}")
+    for name in args.variants.split(","):
+        split_variant(name)  # "<variant>[:<knob>...]" as in bench_training; ValueError names a bad part
     torch._dynamo.config.cache_size_limit = 64
     results = []
     for name in args.variants.split(","):
