@@ -585,9 +585,13 @@ def _sm_count(index: int) -> int:
 
 _RESIDENT: dict = {}
 _RESIDENT_FALLBACKS: dict = {}  # configurations whose registers could not be read, and why
-# Size the persistent grids of the backward kernels by the programs an SM holds (True), or as 32
-# warps' worth of programs per SM whatever the registers allow (False; a benchmark knob).
-OCCUPANCY_GRIDS = True
+# Backward kernels whose persistent grid is sized by the programs an SM holds (one wave); the others
+# launch 32 warps' worth of programs per SM whatever the registers allow. Measured at 350m on an
+# H200 (BENCHMARKS.md, fifth set): sizing the two-pass kernel's grid (the merges) took full MHAR's
+# merge backward from 19.4 to 15.0 ms per step, while sizing pass one of the site loop made full
+# routing's 8-site passes 1.6x slower (52.5 against 33.1 ms per step), so it stays off for that
+# kernel. A benchmark knob.
+OCCUPANCY_GRIDS = frozenset({"bwd"})
 
 
 def _resident_programs(name: str, device: torch.device, args: tuple, kwargs: dict) -> int:
@@ -599,9 +603,12 @@ def _resident_programs(name: str, device: torch.device, args: tuple, kwargs: dic
     to 32 warps' worth of programs where Triton does not report its registers.
     """
     warps = kwargs["num_warps"]
-    if not OCCUPANCY_GRIDS:
+    if name not in OCCUPANCY_GRIDS:
         return max(1, 32 // warps)
-    key = (name, device.index or 0, tuple(sorted(kwargs.items())), tuple(a.dtype for a in args if isinstance(a, Tensor)))
+    # the compiled kernel also depends on which integer arguments are 1 or multiples of 16 (Triton
+    # specialises them), so those facts are part of the configuration
+    ints = tuple((a == 1, a % 16 == 0) for a in args if isinstance(a, int))
+    key = (name, device.index or 0, tuple(sorted(kwargs.items())), tuple(a.dtype for a in args if isinstance(a, Tensor)), ints)
     if key not in _RESIDENT:
         fallback = max(1, 32 // warps)
         try:
