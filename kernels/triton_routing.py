@@ -87,6 +87,9 @@ SITE_LOOP_MIN_SOURCES = 9
 # so no site slot is padding): a source tile is then loaded, converted and normalised once per
 # group instead of once per site.
 FWD_SITES = 2
+# Sites one program of the site loop's pass one takes together (same rule): the source tile, its
+# conversion and its norm are shared by the group, each site keeping its own gradient tile.
+STATS_SITES = 2
 # Eager calls (not under torch.compile) run the op's autograd through a torch.autograd.Function
 # calling the same kernels, which skips the custom op's per-call Python (argument flattening and
 # checks, about 0.3 ms per call on a CPU of this project's CI); torch.compile traces the custom op.
@@ -287,62 +290,68 @@ def _route_bwd_stats(
     lse_ptr, dlse_ptr,
     gate_ptr, dgate_ptr,
     dsum_ptr, dw_ptr, sa_ptr,
-    M, eps, num_tiles, progs_per_site,
+    M, eps, num_tiles, progs_per_group,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
-    BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr, ADDITIVE: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr,
+    ADDITIVE: tl.constexpr,
 ):
     # Site-loop backward, pass one: per (site, token) D = sum_i alpha_i <dr, v_i>_h - dlse (and the
     # score s_i and a_i = <dr, v_i>_h of every source, stored for pass two: [S, N, M, H, 2]), and
     # this program's share of dw = sum_tokens sum_i ds_i rstd_i v_i, which one loop gives as
     # sum_tokens (X - D * Y) with X = sum_i alpha_i a_i rstd_i v_i, Y = sum_i alpha_i rstd_i v_i.
-    # Program pid serves site pid % n_sites (the sites of a tile run side by side and share its
-    # source tiles through L2) and tiles pid // n_sites, + progs_per_site, ... (fixed order).
-    # Additive form (one site): dr = gate * dout, and this program's share of
+    # Program pid serves the group of BS sites pid % n_groups (a source tile is loaded, converted
+    # and normalised once for the group; the groups of a tile run side by side and share its source
+    # tiles through L2) and tiles pid // n_groups, + progs_per_group, ... (fixed order).
+    # Additive form (one site, BS == 1): dr = gate * dout, and this program's share of
     # d gate = sum_tokens dout * r, with r = sum_i alpha_i v_i formed on the way.
     pid = tl.program_id(0)
-    site = pid % n_sites
+    n_groups = (n_sites + BS - 1) // BS
+    s_1d = (pid % n_groups) * BS + tl.arange(0, BS)
+    s_i = s_1d[:, None, None, None]  # [BS, 1, 1, 1]
+    smask = s_i < n_sites
     m_i = tl.arange(0, BM)[None, :, None, None]
     h_i = tl.arange(0, BH)[None, None, :, None]
     j_i = tl.arange(0, BDH)[None, None, None, :]
     col = h_i * DH + j_i
     cmask = (h_i < H) & (j_i < DH)
-    w = tl.load(w_ptr + site * D + col, mask=cmask, other=0.0)  # [1, 1, BH, BDH]
-    g_off = tl.multiple_of(tl.load(g_offs + site), G_ALIGN)
-    dw_acc = tl.full([1, 1, BH, BDH], 0.0, tl.float32)
+    w = tl.load(w_ptr + s_i * D + col, mask=smask & cmask, other=0.0)  # [BS, 1, BH, BDH]
+    g_off = tl.multiple_of(tl.load(g_offs + s_1d, mask=s_1d < n_sites, other=0), G_ALIGN)[:, None, None, None]
+    dw_acc = tl.full([BS, 1, BH, BDH], 0.0, tl.float32)
     if ADDITIVE:
         gate = tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32)
         dgate_acc = tl.full([1, 1, BH, BDH], 0.0, tl.float32)
-    for tile in range(pid // n_sites, num_tiles, progs_per_site):
+    for tile in range(pid // n_groups, num_tiles, progs_per_group):
         rows = tl.cast(tile, tl.int64) * BM + m_i
         x_off = rows * D + col
         xmask = (rows < M) & cmask
         hm_off = rows * H + h_i
         hmask = (rows < M) & (h_i < H)
-        sh_off = tl.cast(site, tl.int64) * M * H + hm_off
-        dout = tl.load(g_base + g_off + x_off, mask=xmask, other=0.0).to(tl.float32)  # [1, BM, BH, BDH]
+        sh_off = s_i.to(tl.int64) * M * H + hm_off  # [BS, BM, BH, 1]
+        shmask = smask & hmask
+        dout = tl.load(g_base + g_off + x_off, mask=smask & xmask, other=0.0).to(tl.float32)  # [BS, BM, BH, BDH]
         if ADDITIVE:
             dr = dout * gate
-            racc = tl.full([1, BM, BH, BDH], 0.0, tl.float32)
+            racc = tl.full([BS, BM, BH, BDH], 0.0, tl.float32)
         else:
             dr = dout
-        lse = tl.load(lse_ptr + sh_off, mask=hmask, other=0.0)
-        dsum = tl.full([1, BM, BH, 1], 0.0, tl.float32)
-        xacc = tl.full([1, BM, BH, BDH], 0.0, tl.float32)
-        yacc = tl.full([1, BM, BH, BDH], 0.0, tl.float32)
+        lse = tl.load(lse_ptr + sh_off, mask=shmask, other=0.0)
+        dsum = tl.full([BS, BM, BH, 1], 0.0, tl.float32)
+        xacc = tl.full([BS, BM, BH, BDH], 0.0, tl.float32)
+        yacc = tl.full([BS, BM, BH, BDH], 0.0, tl.float32)
         off = tl.multiple_of(tl.load(src_offs), ALIGN)
         v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
         for i in range(n_src):
-            v = v_next.to(tl.float32)
+            v = v_next.to(tl.float32)  # [1, BM, BH, BDH]
             off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
             v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
             sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
             rstd = 1.0 / tl.sqrt(sq / D + eps)  # [1, BM, 1, 1]
-            sc = tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd  # [1, BM, BH, 1]
+            sc = tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd  # [BS, BM, BH, 1]
             alpha = tl.exp(sc - lse)
             a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
-            sa_off = ((tl.cast(site, tl.int64) * n_src + i) * M * H + hm_off) * 2
-            tl.store(sa_ptr + sa_off, sc, mask=hmask)
-            tl.store(sa_ptr + sa_off + 1, a, mask=hmask)
+            sa_off = ((s_i.to(tl.int64) * n_src + i) * M * H + hm_off) * 2
+            tl.store(sa_ptr + sa_off, sc, mask=shmask)
+            tl.store(sa_ptr + sa_off + 1, a, mask=shmask)
             dsum += alpha * a
             ar = alpha * rstd
             xacc += (ar * a) * v
@@ -350,12 +359,14 @@ def _route_bwd_stats(
             if ADDITIVE:
                 racc += alpha * v
         if HAS_DLSE:  # d lse_h enters every score like a constant shift of its D
-            dsum -= tl.load(dlse_ptr + sh_off, mask=hmask, other=0.0)
-        tl.store(dsum_ptr + sh_off, dsum, mask=hmask)
+            dsum -= tl.load(dlse_ptr + sh_off, mask=shmask, other=0.0)
+        tl.store(dsum_ptr + sh_off, dsum, mask=shmask)
         dw_acc += tl.reduce(xacc - dsum * yacc, 1, _ADD, keep_dims=True)
         if ADDITIVE:
-            dgate_acc += tl.reduce(dout * racc, 1, _ADD, keep_dims=True)
-    tl.store(dw_ptr + tl.cast(pid, tl.int64) * D + col, dw_acc, mask=cmask)
+            dgate_acc += tl.reduce(tl.reduce(dout * racc, 0, _ADD, keep_dims=True), 1, _ADD, keep_dims=True)
+    # partial row of (site, this program's share): [progs_per_group, n_sites, d], summed by the host
+    part = tl.cast(pid // n_groups, tl.int64) * n_sites + s_i
+    tl.store(dw_ptr + part * D + col, dw_acc, mask=smask & cmask)
     if ADDITIVE:
         tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col, dgate_acc, mask=cmask)
 
@@ -658,10 +669,10 @@ def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple
     return bs, rows, warps, bh, bdh
 
 
-def _fwd_sites(n_sites: int) -> int:
-    """Sites per forward program: the largest power of two <= ``FWD_SITES`` dividing ``n_sites``."""
+def _group_sites(n_sites: int, most: int) -> int:
+    """Sites per program: the largest power of two <= ``most`` dividing ``n_sites`` (no padding sites)."""
     group = 1
-    while group * 2 <= FWD_SITES and n_sites % (group * 2) == 0:
+    while group * 2 <= most and n_sites % (group * 2) == 0:
         group *= 2
     return group
 
@@ -719,7 +730,7 @@ def _forward(
     interpret = like.device.type != "cuda"
     if n_sites < SITE_LOOP_MIN_SITES and n_sites > 1:  # the two-pass backward's limit on sites per pass, checked before any work
         _tile("bwd", n_sites, d, heads, interpret)
-    group = _fwd_sites(n_sites)
+    group = _group_sites(n_sites, FWD_SITES)
     _, bm, warps, bh, bdh = _tile("fwd", group, d, heads, interpret)
     srcs = [_aligned(s) for s in sources]
     base = srcs[0] if srcs else _aligned(prior_out)
@@ -830,7 +841,9 @@ def _backward_site_loop(
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
     device = like.device
     interpret = device.type != "cuda"
-    _, bm, warps, bh, bdh = _tile("bwd_stats", 1, d, heads, interpret)
+    group = _group_sites(n_sites, STATS_SITES)
+    n_groups = n_sites // group
+    _, bm, warps, bh, bdh = _tile("bwd_stats", group, d, heads, interpret)
     _, bm_src, warps_src, _, _ = _tile("bwd_sources", 1, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
     srcs = [_aligned(s) for s in sources]
@@ -846,32 +859,32 @@ def _backward_site_loop(
     gate_c = gate.contiguous() if gate is not None else w
     geometry = dict(D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size())
     lse = lse.contiguous()
-    flags = dict(**geometry, BM=bm, HAS_DLSE=grad_lse is not None, ADDITIVE=gate is not None, num_warps=warps)
+    flags = dict(**geometry, BS=group, BM=bm, HAS_DLSE=grad_lse is not None, ADDITIVE=gate is not None, num_warps=warps)
 
-    def stats_args(dw: Tensor, dgate: Tensor, per_site: int) -> tuple:
+    def stats_args(dw: Tensor, dgate: Tensor, per_group: int) -> tuple:
         return (
             base, src_offs, n_src, w, n_sites, grads[0], g_offs,
             lse, grad_lse.contiguous() if grad_lse is not None else w,
             gate_c, dgate, dsum, dw, score_a,
-            M, eps, num_tiles, per_site,
+            M, eps, num_tiles, per_group,
         )
 
-    # persistent programs for pass one: as many as the SMs hold at once (one wave), spread over the sites
+    # persistent programs for pass one, spread over the groups of sites
     if interpret:
-        per_site = min(num_tiles, 2)
+        per_group = min(num_tiles, 2)
     else:
         resident = _resident_programs("bwd_stats", device, stats_args(w, w, max(1, 32 // warps)), flags)
-        per_site = min(num_tiles, triton.cdiv(_sm_count(device.index or 0) * resident, n_sites))
-    dw = _new((per_site * n_sites, d), torch.float32, device)
-    dgate = _new((per_site, d) if gate is not None else (0,), torch.float32, device)
-    _kernel("bwd_stats", interpret)[(per_site * n_sites,)](*stats_args(dw, dgate if gate is not None else w, per_site), **flags)
+        per_group = min(num_tiles, triton.cdiv(_sm_count(device.index or 0) * resident, n_groups))
+    dw = _new((per_group * n_sites, d), torch.float32, device)
+    dgate = _new((per_group, d) if gate is not None else (0,), torch.float32, device)
+    _kernel("bwd_stats", interpret)[(per_group * n_groups,)](*stats_args(dw, dgate if gate is not None else w, per_group), **flags)
     _kernel("bwd_sources", interpret)[(triton.cdiv(M, bm_src) * n_src,)](
         base, src_offs, n_src, w, n_sites, grads[0], g_offs,
         lse, dsum, score_a, gate_c, dsrc,
         M, eps,
         **geometry, BM=bm_src, ADDITIVE=gate is not None, num_warps=warps_src,
     )
-    dw = dw.view(per_site, n_sites, d).sum(0)  # fixed-order reduction over programs: deterministic
+    dw = dw.view(per_group, n_sites, d).sum(0)  # fixed-order reduction over programs: deterministic
     q, g = queries.float(), gains.float()
     empty = [torch.empty(0, dtype=torch.float32, device=device) for _ in range(2)]  # outputs may not alias
     dgate = dgate.sum(0).to(gate.dtype) if gate is not None else dgate  # fixed order, like dw

@@ -188,13 +188,17 @@ def test_two_phase_block_routing_equals_plain_routing_full_grid(n_completed, sit
 
 
 @pytest.mark.parametrize("fwd_sites", [1, 4, 8])
-def test_forward_site_groups_match_float64_reference(monkeypatch, fwd_sites):
-    """Phase one with the forward's sites routed 1, 4 or 8 per program (``FWD_SITES``; a group size
-    must divide S, so S = 8 runs 8 / 4 / 1 per program and S = 6 at most 2): outputs, lse and every
-    gradient against float64 routing, on a token count no tile divides."""
+@pytest.mark.parametrize("stats_sites", [1, 2, 8])
+def test_site_groups_match_float64_reference(monkeypatch, fwd_sites, stats_sites):
+    """Phase one with the sites taken 1, 4 or 8 per forward program (``FWD_SITES``) and 1, 2 or 8
+    per program of the backward's pass one (``STATS_SITES``); a group size must divide S, so S = 8
+    runs the size asked and S = 6 at most 2: outputs, lse and every gradient against float64
+    routing, on a token count no tile divides."""
     monkeypatch.setattr(tr, "FWD_SITES", fwd_sites)
+    monkeypatch.setattr(tr, "STATS_SITES", stats_sites)
     for sites, expected in ((8, fwd_sites), (6, min(2, fwd_sites))):
-        assert tr._fwd_sites(sites) == expected
+        assert tr._group_sites(sites, tr.FWD_SITES) == expected
+        assert tr._group_sites(sites, tr.STATS_SITES) == (stats_sites if sites == 8 else min(2, stats_sites))
         g = torch.Generator().manual_seed(11 + sites)
         srcs = [(torch.randn(67, 96, generator=g) * (1 + i)).to(DEVICE) for i in range(3)]
         queries = (0.6 * torch.randn(sites, 96, generator=g)).to(DEVICE)
