@@ -57,7 +57,7 @@ KNOBS = {
     "fwd1": {(TR, "FWD_SITES"): 1},  # one site per forward program
     "fwd4": {(TR, "FWD_SITES"): 4},
     "fwd8": {(TR, "FWD_SITES"): 8},
-    "stats1": {(TR, "STATS_SITES"): 1},  # one site per program of the site loop's pass one
+    "stats2": {(TR, "STATS_SITES"): 2},  # two sites per program of the site loop's pass one
     "stats4": {(TR, "STATS_SITES"): 4},
     "bwd4096": {(TR, "TILE_ELEMENTS", "bwd"): 4096, (TR, "ELEMENTS_PER_THREAD", "bwd"): 16},  # the former two-pass tiles
     "grid32": {(TR, "OCCUPANCY_GRIDS"): frozenset()},  # persistent backward grids of 32 warps per SM, not sized by registers

@@ -88,8 +88,11 @@ SITE_LOOP_MIN_SOURCES = 9
 # group instead of once per site.
 FWD_SITES = 2
 # Sites one program of the site loop's pass one takes together (same rule): the source tile, its
-# conversion and its norm are shared by the group, each site keeping its own gradient tile.
-STATS_SITES = 2
+# conversion and its norm are shared by the group, each site keeping its own gradient tile. Two
+# per program cut the instructions per token, site and source from 512 to 444 (350m shapes, by
+# ptxas), but measured no faster in training (350m on an H200: block MHAR 0.903 against 0.914 with
+# one, full MHAR 0.669 against 0.670; four per program 0.618), so one it is; a benchmark knob.
+STATS_SITES = 1
 # Eager calls (not under torch.compile) run the op's autograd through a torch.autograd.Function
 # calling the same kernels, which skips the custom op's per-call Python (argument flattening and
 # checks, about 0.3 ms per call on a CPU of this project's CI); torch.compile traces the custom op.
