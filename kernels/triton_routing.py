@@ -12,8 +12,9 @@ additive form), extended in two ways that the model's Block AttnRes path uses:
   progress). Merging is exact: softmax over {completed blocks, partial} equals the lse-weighted mix
   of the softmax over the completed blocks and the partial.
 
-Forward, per tile of ``BM`` tokens and one site (the sites of a pass are programs side by side,
-so a source tile is read from HBM once and from L2 by the other sites), one loop over the sources:
+Forward, per tile of ``BM`` tokens and a group of ``FWD_SITES`` sites (the groups of a pass are
+programs side by side, so a source tile is read from HBM once and from L2 by the other groups), one
+loop over the sources:
 ``rstd_i`` (key RMSNorm), the per-head score ``s_i = rstd_i * <q*g, v_i>_h`` and an online softmax
 in float32; normalised keys are never written. Saved for backward: the log-sum-exp ``[S, M, H]``
 float32 (4 bytes per token and head), nothing of size ``[N, M, d]``. Backward recomputes
@@ -33,9 +34,11 @@ exceed ``2**31``.
 Two kernels run those passes. The two-pass kernel (``_route_bwd``, merges and short single sites)
 keeps a token's gradients of all sites of the pass in registers and runs both passes per tile.
 The site-loop kernels (``_route_bwd_stats`` then ``_route_bwd_sources``: several sites, or one
-site over many sources) hold one site's gradient at a time: the first runs one program per
-(site, range of tiles) and also stores every ``s_i`` and ``<dr, v_i>_h`` (``[S, N, M, H, 2]``
-float32), the second one program per (tile, source) with the sites in its loop.
+site over many sources) hold one site's gradient at a time (``STATS_SITES``): the first runs one
+program per (site, range of tiles) and also stores every ``s_i`` and ``<dr, v_i>_h``
+(``[S, N, M, H, 2]`` float32), the second one program per (tile, source) with the sites in its
+loop. Eager calls run the autograd through :class:`_RouteFunction`; ``torch.compile`` sees the
+custom ops.
 
 Decoding (no backward) has its own kernel, :func:`route_norm_decode`: one program per token loops
 over the slots of one ``[slots, tokens, d]`` buffer in tiles of a few slots (all loads of a tile in
@@ -68,7 +71,10 @@ MAX_BLOCK_D = 16384
 # accumulator (forward) or of the gradient tile (backward), spread over warps (4 to 16) at
 # ``ELEMENTS_PER_THREAD`` each. Forward and site-loop sizes are the best, or within 2% of the
 # best, of each kind tried alone at 350m shapes on an H200 (benchmarks/tune_tiles.py,
-# BENCHMARKS.md): small tiles, 4 warps. ``MAX_TILE_ELEMENTS``
+# BENCHMARKS.md): small tiles, 4 warps. The two-pass backward (the merges of two-phase routing)
+# takes 2048 elements on 8 warps: 80 registers per thread instead of 169 for 4096 elements on 8
+# (one program per SM, 8 resident warps, by Nsight Compute), which took block MHAR from 0.897 to
+# 0.910 x prenorm at 350m (BENCHMARKS.md, fifth set). ``MAX_TILE_ELEMENTS``
 # caps sites x width of the two-pass backward, which holds every site's gradient of a token (one
 # token per program); it runs single sites only, unless ``SITE_LOOP_MIN_SITES`` is raised
 # (benchmarks compare the two that way).
@@ -85,7 +91,9 @@ SITE_LOOP_MIN_SITES = 2
 SITE_LOOP_MIN_SOURCES = 9
 # Sites one forward program routes together (at most; a power of two dividing the pass's sites,
 # so no site slot is padding): a source tile is then loaded, converted and normalised once per
-# group instead of once per site.
+# group instead of once per site (425 -> 362 warp instructions per token, site and source at 350m
+# shapes, by ptxas; in training within run-to-run spread: block MHAR 0.910 against 0.909 with one,
+# full MHAR 0.662 against 0.657, four per program 0.665; BENCHMARKS.md, fifth set).
 FWD_SITES = 2
 # Sites one program of the site loop's pass one takes together (same rule): the source tile, its
 # conversion and its norm are shared by the group, each site keeping its own gradient tile. Two
@@ -95,7 +103,8 @@ FWD_SITES = 2
 STATS_SITES = 1
 # Eager calls (not under torch.compile) run the op's autograd through a torch.autograd.Function
 # calling the same kernels, which skips the custom op's per-call Python (argument flattening and
-# checks, about 0.3 ms per call on a CPU of this project's CI); torch.compile traces the custom op.
+# checks): the host's time to enqueue a 350m block MHAR step fell from 159.5 to 145.3 ms (the step
+# itself is GPU-bound: 213-214 ms either way). torch.compile traces the custom op.
 EAGER_FUNCTION = True
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
