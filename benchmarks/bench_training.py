@@ -46,6 +46,9 @@ VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L su
     "delta-block8-H8": dict(residual="delta", heads=8, block_size="8blocks"),
     # full routing site by site (no two-phase groups): what full routing ran before the groups
     "mhar-full-H8-persite": dict(residual="attnres", heads=8, block_size=1, full_routing_group=1),
+    # full routing's phase one in groups of 4 or 16 sites instead of 8
+    "mhar-full-H8-g4": dict(residual="attnres", heads=8, block_size=1, full_routing_group=4),
+    "mhar-full-H8-g16": dict(residual="attnres", heads=8, block_size=1, full_routing_group=16),
     "delta-full-H8-persite": dict(residual="delta", heads=8, block_size=1, full_routing_group=1),
     "hyper-dhc-n4": dict(residual="hyper", hc_rate=4, hc_dynamic=True),  # its connections run eagerly, like routing
 }
@@ -57,6 +60,7 @@ KNOBS = {
     "fwd1": {(TR, "FWD_SITES"): 1},  # one site per forward program
     "fwd4": {(TR, "FWD_SITES"): 4},
     "fwd8": {(TR, "FWD_SITES"): 8},
+    "rstd0": {(TR, "SAVE_RSTD"): False},  # the site loop's backward recomputes each source's key rstd
     "stats2": {(TR, "STATS_SITES"): 2},  # two sites per program of the site loop's pass one
     "stats4": {(TR, "STATS_SITES"): 4},
     "bwd4096": {(TR, "TILE_ELEMENTS", "bwd"): 4096, (TR, "ELEMENTS_PER_THREAD", "bwd"): 16},  # the former two-pass tiles

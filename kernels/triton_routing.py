@@ -106,6 +106,11 @@ STATS_SITES = 1
 # checks): the host's time to enqueue a 350m block MHAR step fell from 159.5 to 145.3 ms (the step
 # itself is GPU-bound: 213-214 ms either way). torch.compile traces the custom op.
 EAGER_FUNCTION = True
+# The forward of a pass whose backward runs the site loop saves each source's key rstd ([N, tokens]
+# float32, 4 bytes per token and source) so that the backward kernels load it instead of reducing
+# each source tile over the width again (in pass one: 512 -> 422 warp instructions per token and
+# source, 7 -> 4 barriers per iteration at 350m shapes, by ptxas). A benchmark knob.
+SAVE_RSTD = True
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -127,11 +132,11 @@ def _route_fwd(
     lse_ptr,
     stream_ptr, gate_ptr,
     prior_ptr, prior_lse_ptr,
-    scores_ptr,
+    scores_ptr, rstd_ptr,
     M, eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr,
-    ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, STORE_SCORES: tl.constexpr,
+    ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, STORE_SCORES: tl.constexpr, STORE_RSTD: tl.constexpr,
 ):
     # Every tensor is 4-D (site, token, head, lane) and every sum keeps its axis, so that all of
     # them share one register layout: no tile is ever shuffled through shared memory.
@@ -172,6 +177,8 @@ def _route_fwd(
         v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
         sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)  # [1, BM, 1, 1]
         rstd = 1.0 / tl.sqrt(sq / D + eps)
+        if STORE_RSTD:  # [N, M] float32 for the site loop's backward, written by the first group's programs
+            tl.store(rstd_ptr + tl.cast(i, tl.int64) * M + rows, rstd, mask=rows < tl.where(pid % n_groups == 0, M, 0))
         s = tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd  # [BS, BM, BH, 1]
         if STORE_SCORES:
             tl.store(scores_ptr + tl.cast(i, tl.int64) * M * H + hm_off, s, mask=hmask)
@@ -301,11 +308,11 @@ def _route_bwd_stats(
     g_base, g_offs,
     lse_ptr, dlse_ptr,
     gate_ptr, dgate_ptr,
-    dsum_ptr, dw_ptr, sa_ptr,
+    dsum_ptr, dw_ptr, sa_ptr, rstd_ptr,
     M, eps, num_tiles, progs_per_group,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr,
-    ADDITIVE: tl.constexpr,
+    ADDITIVE: tl.constexpr, HAS_RSTD: tl.constexpr,
 ):
     # Site-loop backward, pass one: per (site, token) D = sum_i alpha_i <dr, v_i>_h - dlse (and the
     # score s_i and a_i = <dr, v_i>_h of every source, stored for pass two: [S, N, M, H, 2]), and
@@ -356,8 +363,11 @@ def _route_bwd_stats(
             v = v_next.to(tl.float32)  # [1, BM, BH, BDH]
             off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
             v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
-            sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
-            rstd = 1.0 / tl.sqrt(sq / D + eps)  # [1, BM, 1, 1]
+            if HAS_RSTD:  # saved by the forward: no reduction over the width (across warps) here
+                rstd = tl.load(rstd_ptr + tl.cast(i, tl.int64) * M + rows, mask=rows < M, other=1.0)  # [1, BM, 1, 1]
+            else:
+                sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+                rstd = 1.0 / tl.sqrt(sq / D + eps)  # [1, BM, 1, 1]
             sc = tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd  # [BS, BM, BH, 1]
             alpha = tl.exp(sc - lse)
             a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
@@ -389,10 +399,10 @@ def _route_bwd_sources(
     g_base, g_offs,
     lse_ptr, dsum_ptr, sa_ptr,
     gate_ptr,
-    dsrc_ptr,
+    dsrc_ptr, rstd_ptr,
     M, eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
-    BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, ADDITIVE: tl.constexpr,
+    BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, ADDITIVE: tl.constexpr, HAS_RSTD: tl.constexpr,
 ):
     # Site-loop backward, pass two: one program per (token tile, source), the source varying
     # fastest (the programs of a tile share the sites' gradient tiles through L2). The source tile
@@ -412,8 +422,11 @@ def _route_bwd_sources(
     hmask = (rows < M) & (h_i < H)
     off = tl.multiple_of(tl.load(src_offs + i), ALIGN)
     v = tl.load(src_base + off + x_off, mask=xmask, other=0.0).to(tl.float32)  # [1, BM, BH, BDH]
-    sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
-    rstd = 1.0 / tl.sqrt(sq / D + eps)  # [1, BM, 1, 1]
+    if HAS_RSTD:
+        rstd = tl.load(rstd_ptr + tl.cast(i, tl.int64) * M + rows, mask=rows < M, other=1.0)  # [1, BM, 1, 1]
+    else:
+        sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+        rstd = 1.0 / tl.sqrt(sq / D + eps)  # [1, BM, 1, 1]
     dv = tl.full([1, BM, BH, BDH], 0.0, tl.float32)
     t = tl.full([1, BM, BH, 1], 0.0, tl.float32)
     g_off = tl.multiple_of(tl.load(g_offs), G_ALIGN)
@@ -753,6 +766,8 @@ def _forward(
         outs = [_new(shape, like.dtype, like.device) for _ in range(n_sites)]
     lse = _new((n_sites, *shape[:-1], heads), torch.float32, like.device)
     scores = _new((n_src, *shape[:-1], heads) if store_scores else (0,), torch.float32, like.device)
+    store_rstd = _saves_rstd(n_sites, n_src, prior_out is not None)
+    rstd = _new((n_src, M) if store_rstd else (0,), torch.float32, like.device)
     dummy = w
     _kernel("fwd", interpret)[(triton.cdiv(M, bm) * (n_sites // group),)](
         base, _offsets(srcs, base), n_src,
@@ -761,27 +776,37 @@ def _forward(
         lse,
         _aligned(stream) if stream is not None else dummy, gate.contiguous() if gate is not None else dummy,
         _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
-        scores if store_scores else dummy,
+        scores if store_scores else dummy, rstd if store_rstd else dummy,
         M, eps,
         D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, BS=group, BM=bm, ALIGN=16 // base.element_size(),
-        ADDITIVE=stream is not None, HAS_PRIOR=prior_out is not None, STORE_SCORES=store_scores,
+        ADDITIVE=stream is not None, HAS_PRIOR=prior_out is not None, STORE_SCORES=store_scores, STORE_RSTD=store_rstd,
         num_warps=warps,
     )
-    return [*outs, lse, scores]
+    return [*outs, lse, scores, rstd]
+
+
+def _uses_site_loop(n_sites: int, n_src: int, has_prior: bool) -> bool:
+    """Whether the backward of such a pass runs the site-loop kernels (else the two-pass kernel)."""
+    return not has_prior and n_src > 0 and (n_sites >= SITE_LOOP_MIN_SITES or n_src >= SITE_LOOP_MIN_SOURCES)
+
+
+def _saves_rstd(n_sites: int, n_src: int, has_prior: bool) -> bool:
+    """Whether the forward of such a pass writes each source's key rstd ``[N, tokens]`` for its backward."""
+    return SAVE_RSTD and _uses_site_loop(n_sites, n_src, has_prior)
 
 
 def _backward(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
     gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
-    lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor],
+    lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], rstd: Optional[Tensor] = None,
 ) -> list[Tensor]:
     like = sources[0] if sources else prior_out
     shape, d = like.shape, like.shape[-1]
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
     device = like.device
     interpret = device.type != "cuda"
-    if prior_out is None and n_src > 0 and (n_sites >= SITE_LOOP_MIN_SITES or n_src >= SITE_LOOP_MIN_SOURCES):
-        return _backward_site_loop(sources, queries, gains, heads, eps, gate, lse, grad_outs, grad_lse)
+    if _uses_site_loop(n_sites, n_src, prior_out is not None):
+        return _backward_site_loop(sources, queries, gains, heads, eps, gate, lse, grad_outs, grad_lse, rstd)
     bs, bm, warps, bh, bdh = _tile("bwd", n_sites, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
     srcs = [_aligned(s) for s in sources]
@@ -837,7 +862,7 @@ def _backward(
 
 def _backward_site_loop(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float, gate: Optional[Tensor],
-    lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor],
+    lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], rstd: Optional[Tensor] = None,
 ) -> list[Tensor]:
     """Backward of several sites (phase one of Block AttnRes), or of one site over many sources
     (with ``gate``: the additive form), without a prior, in two kernels.
@@ -847,6 +872,8 @@ def _backward_site_loop(
     ``_route_bwd_sources`` (one program per token tile and source) then writes each source's
     gradient, looping over the sites. No tile holds more than one site's gradient, so programs
     take several tokens whatever the number of sites, and the sources are spread over programs.
+    ``rstd`` ``[N, tokens]`` float32, each source's key rstd as the forward computed it, spares both
+    kernels the reduction over the width; an empty tensor or None recomputes it.
     """
     like = sources[0]
     shape, d = like.shape, like.shape[-1]
@@ -871,13 +898,17 @@ def _backward_site_loop(
     gate_c = gate.contiguous() if gate is not None else w
     geometry = dict(D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size())
     lse = lse.contiguous()
-    flags = dict(**geometry, BS=group, BM=bm, HAS_DLSE=grad_lse is not None, ADDITIVE=gate is not None, num_warps=warps)
+    has_rstd = rstd is not None and rstd.numel() > 0
+    if has_rstd and tuple(rstd.shape) != (n_src, M):
+        raise ValueError(f"triton depth routing: saved rstd has shape {tuple(rstd.shape)}, expected {(n_src, M)}")
+    rstd = rstd.contiguous() if has_rstd else w
+    flags = dict(**geometry, BS=group, BM=bm, HAS_DLSE=grad_lse is not None, ADDITIVE=gate is not None, HAS_RSTD=has_rstd, num_warps=warps)
 
     def stats_args(dw: Tensor, dgate: Tensor, per_group: int) -> tuple:
         return (
             base, src_offs, n_src, w, n_sites, grads[0], g_offs,
             lse, grad_lse.contiguous() if grad_lse is not None else w,
-            gate_c, dgate, dsum, dw, score_a,
+            gate_c, dgate, dsum, dw, score_a, rstd,
             M, eps, num_tiles, per_group,
         )
 
@@ -892,9 +923,9 @@ def _backward_site_loop(
     _kernel("bwd_stats", interpret)[(per_group * n_groups,)](*stats_args(dw, dgate if gate is not None else w, per_group), **flags)
     _kernel("bwd_sources", interpret)[(triton.cdiv(M, bm_src) * n_src,)](
         base, src_offs, n_src, w, n_sites, grads[0], g_offs,
-        lse, dsum, score_a, gate_c, dsrc,
+        lse, dsum, score_a, gate_c, dsrc, rstd,
         M, eps,
-        **geometry, BM=bm_src, ADDITIVE=gate is not None, num_warps=warps_src,
+        **geometry, BM=bm_src, ADDITIVE=gate is not None, HAS_RSTD=has_rstd, num_warps=warps_src,
     )
     dw = dw.view(per_group, n_sites, d).sum(0)  # fixed-order reduction over programs: deterministic
     q, g = queries.float(), gains.float()
@@ -920,7 +951,8 @@ def route_fwd(
     ``[S, d]``; ``stream``/``gate`` the additive form (S = 1); ``prior_out`` ``[..., d]`` and
     ``prior_lse`` ``[..., H]`` float32 a routed value merged as one more source (S = 1).
 
-    Returns ``[out_0 .. out_{S-1}, lse [S, ..., H] float32, scores [N, ..., H] float32 or empty]``.
+    Returns ``[out_0 .. out_{S-1}, lse [S, ..., H] float32, scores [N, ..., H] float32 or empty,
+    rstd [N, tokens] float32 (each source's key rstd, for the backward) or empty]``.
     """
     return _forward(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores)
 
@@ -932,22 +964,25 @@ def _(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, s
     outs = [stream.new_empty(like.shape)] if stream is not None else [like.new_empty(like.shape) for _ in range(queries.shape[0])]
     lse = like.new_empty((queries.shape[0], *lead, heads), dtype=torch.float32)
     scores = like.new_empty((len(sources), *lead, heads) if store_scores else (0,), dtype=torch.float32)
-    return [*outs, lse, scores]
+    saves = _saves_rstd(queries.shape[0], len(sources), prior_out is not None)
+    rstd = like.new_empty((len(sources), like.numel() // like.shape[-1]) if saves else (0,), dtype=torch.float32)
+    return [*outs, lse, scores, rstd]
 
 
 @torch.library.custom_op("lit_mhar::route_bwd", mutates_args=())
 def route_bwd(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
     gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
-    lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor],
+    lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], rstd: Optional[Tensor],
 ) -> list[Tensor]:
-    """Fused backward of :func:`route_fwd`. Returns ``[d_sources [N, ..., d], d_queries [S, d],
-    d_gains [S, d], d_gate [d] or empty, d_prior_out or empty, d_prior_lse or empty]``."""
-    return _backward(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse)
+    """Fused backward of :func:`route_fwd` (``rstd``: its saved key rstd, or None / empty). Returns
+    ``[d_sources [N, ..., d], d_queries [S, d], d_gains [S, d], d_gate [d] or empty, d_prior_out or
+    empty, d_prior_lse or empty]``."""
+    return _backward(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd)
 
 
 @route_bwd.register_fake
-def _(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse):
+def _(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd):
     like = sources[0] if sources else prior_out
 
     def empty():  # one per output: outputs may not alias each other
@@ -966,13 +1001,13 @@ def _(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad
 def _setup_context(ctx, inputs, output):
     sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores = inputs
     n_out = 1 if stream is not None else queries.shape[0]
-    ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, output[n_out], *sources)
+    ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, output[n_out], output[n_out + 2], *sources)
     ctx.heads, ctx.eps, ctx.n_out, ctx.additive = heads, eps, n_out, stream is not None
     ctx.set_materialize_grads(False)
 
 
 def _backward_rule(ctx, grads):
-    queries, gains, gate, prior_out, prior_lse, lse, *sources = ctx.saved_tensors
+    queries, gains, gate, prior_out, prior_lse, lse, rstd, *sources = ctx.saved_tensors
     grad_outs, grad_lse = list(grads[: ctx.n_out]), grads[ctx.n_out]
     like = sources[0] if sources else prior_out
     if all(g is None for g in grad_outs) and grad_lse is None:
@@ -980,7 +1015,7 @@ def _backward_rule(ctx, grads):
     dtype = next((g.dtype for g in grad_outs if g is not None), like.dtype)
     grad_outs = [torch.zeros(like.shape, dtype=dtype, device=like.device) if g is None else g for g in grad_outs]
     d_src, d_q, d_g, d_gate, d_prior, d_prior_lse = route_bwd(
-        sources, queries, gains, ctx.heads, ctx.eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse
+        sources, queries, gains, ctx.heads, ctx.eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd
     )
     return (
         list(d_src.unbind(0)),
@@ -1011,15 +1046,15 @@ class _RouteFunction(torch.autograd.Function):
     def forward(ctx, heads, eps, store_scores, queries, gains, stream, gate, prior_out, prior_lse, *sources):
         outs = _forward(list(sources), queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores)
         n_out = 1 if stream is not None else queries.shape[0]
-        ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, outs[n_out], *sources)
+        ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, outs[n_out], outs[n_out + 2], *sources)
         ctx.heads, ctx.eps, ctx.n_out, ctx.additive = heads, eps, n_out, stream is not None
-        ctx.mark_non_differentiable(outs[n_out + 1])
+        ctx.mark_non_differentiable(outs[n_out + 1], outs[n_out + 2])
         ctx.set_materialize_grads(False)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        queries, gains, gate, prior_out, prior_lse, lse, *sources = ctx.saved_tensors
+        queries, gains, gate, prior_out, prior_lse, lse, rstd, *sources = ctx.saved_tensors
         grad_outs, grad_lse = list(grads[: ctx.n_out]), grads[ctx.n_out]
         n_src = len(sources)
         if all(g is None for g in grad_outs) and grad_lse is None:
@@ -1028,7 +1063,7 @@ class _RouteFunction(torch.autograd.Function):
         dtype = next((g.dtype for g in grad_outs if g is not None), like.dtype)
         grad_outs = [torch.zeros(like.shape, dtype=dtype, device=like.device) if g is None else g for g in grad_outs]
         d_src, d_q, d_g, d_gate, d_prior, d_prior_lse = _backward(
-            sources, queries, gains, ctx.heads, ctx.eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse
+            sources, queries, gains, ctx.heads, ctx.eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd
         )
         return (
             None, None, None,

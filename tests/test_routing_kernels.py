@@ -219,6 +219,34 @@ def test_site_groups_match_float64_reference(monkeypatch, fwd_sites, stats_sites
         assert max(errs) < TOL[torch.float32], (sites, errs)
 
 
+@pytest.mark.parametrize("sites,n", [(3, 4), (1, 9)], ids=["phase-one", "one-site-N9"])
+def test_saved_rstd_matches_recomputed_rstd(monkeypatch, sites, n):
+    """The site loop's backward with each source's key rstd saved by the forward (``SAVE_RSTD``)
+    against the same backward recomputing it: the saved values equal the float64 RMSNorm rstd, and
+    every gradient agrees to float32 rounding (the two differ only in summation order)."""
+    g = torch.Generator().manual_seed(9)
+    srcs = [(torch.randn(2, 23, 64, generator=g) * (0.5 + i)).to(DEVICE, torch.bfloat16) for i in range(n)]
+    queries = (0.5 * torch.randn(sites, 64, generator=g)).to(DEVICE)
+    gains = (1 + 0.2 * torch.randn(sites, 64, generator=g)).to(DEVICE)
+    douts = [torch.randn(2, 23, 64, generator=g).to(DEVICE) for _ in range(sites)]
+    runs = []
+    for save in (True, False):
+        monkeypatch.setattr(tr, "SAVE_RSTD", save)
+        leaves = [x.detach().clone().requires_grad_() for x in (*srcs, queries, gains)]
+        with use_backend("triton"):
+            res = tr._route(leaves[:n], leaves[n], leaves[n + 1], 4, 1e-6, None, None, None, None, False)
+        rstd = res[sites + 2]
+        if save:
+            ref = torch.stack([x.double().square().mean(-1).add(1e-6).rsqrt().flatten() for x in srcs])
+            assert rel_err(rstd, ref) < 1e-6
+        else:
+            assert rstd.numel() == 0
+        loss = sum((o.float() * d_).sum() for o, d_ in zip(res[:sites], douts))
+        runs.append(torch.autograd.grad(loss, leaves))
+    for a, b in zip(*runs):
+        assert rel_err(a, b) < 1e-5
+
+
 @pytest.mark.parametrize("additive", [False, True], ids=["replace", "additive"])
 def test_eager_function_and_custom_op_give_identical_results(monkeypatch, additive):
     """Eager calls run the op's autograd through a torch.autograd.Function (``EAGER_FUNCTION``),
@@ -399,8 +427,16 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.lit_mhar.route_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     lse = torch.ops.lit_mhar.route_fwd(*args)[1].detach()
     for gate_ in (gate, None):  # the backward op too, with and without the outputs a form leaves empty
-        bwd_args = ([s.detach() for s in sources], query[None], gain[None], 2, 1e-6, gate_, None, None, lse, [grad.float()], None)
+        bwd_args = ([s.detach() for s in sources], query[None], gain[None], 2, 1e-6, gate_, None, None, lse, [grad.float()], None, None)
         torch.library.opcheck(torch.ops.lit_mhar.route_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
+    # two sites (the site loop): the forward saves each source's key rstd, which the backward takes
+    queries2, gains2 = torch.stack([query, 0.5 * query]), torch.stack([gain, gain])
+    args2 = ([s.detach().requires_grad_() for s in sources], queries2.requires_grad_(), gains2, 2, 1e-6, None, None, None, None, False)
+    torch.library.opcheck(torch.ops.lit_mhar.route_fwd, args2, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    res = torch.ops.lit_mhar.route_fwd(*args2)
+    assert res[4].shape == (3, grad.numel() // 64)
+    bwd_args = ([s.detach() for s in sources], queries2.detach(), gains2, 2, 1e-6, None, None, None, res[2].detach(), [grad.float()] * 2, None, res[4])
+    torch.library.opcheck(torch.ops.lit_mhar.route_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
     # the decode ops (no autograd): phase one of a group, and a site merging its prior
     history = torch.randn(6, 3, 64, device=DEVICE)
     queries, gains = torch.randn(2, 64, device=DEVICE), torch.ones(2, 64, device=DEVICE)
