@@ -826,18 +826,19 @@ def _backward(
         num_warps=warps,
     )
 
+    head = (
+        base, _offsets(srcs, base), n_src,
+        w, n_sites,
+        grads[0], _offsets(grads, grads[0]),
+        lse.contiguous(), grad_lse.contiguous() if grad_lse is not None else dummy,
+        gate.contiguous() if gate is not None else dummy,
+        _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
+        dsrc,
+    )
+    tail = (dprior if prior_out is not None else dummy, dprior_lse if prior_lse is not None else dummy, M, eps, num_tiles)
+
     def args(dw: Tensor, dgate: Tensor) -> tuple:
-        return (
-            base, _offsets(srcs, base), n_src,
-            w, n_sites,
-            grads[0], _offsets(grads, grads[0]),
-            lse.contiguous(), grad_lse.contiguous() if grad_lse is not None else dummy,
-            gate.contiguous() if gate is not None else dummy,
-            _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
-            dsrc, dw, dgate,
-            dprior if prior_out is not None else dummy, dprior_lse if prior_lse is not None else dummy,
-            M, eps, num_tiles,
-        )
+        return (*head, dw, dgate, *tail)
 
     # persistent programs: as many as the SMs hold at once (one wave), each over a fixed range of tiles
     if interpret:
@@ -1006,29 +1007,36 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward_rule(ctx, grads):
+def _gradients(ctx, grads, backward) -> Optional[tuple]:
+    """The backward both autograd paths share: ``(d_sources [N, ..., d], d_queries, d_gains,
+    d_stream, d_gate, d_prior_out, d_prior_lse)`` (None where an input has no gradient) through
+    ``backward`` (the custom op :func:`route_bwd` or :func:`_backward`), or None when no output has
+    a gradient. Missing output gradients are zeros."""
     queries, gains, gate, prior_out, prior_lse, lse, rstd, *sources = ctx.saved_tensors
     grad_outs, grad_lse = list(grads[: ctx.n_out]), grads[ctx.n_out]
-    like = sources[0] if sources else prior_out
     if all(g is None for g in grad_outs) and grad_lse is None:
-        return None, None, None, None, None, None, None, None, None, None
+        return None
+    like = sources[0] if sources else prior_out
     dtype = next((g.dtype for g in grad_outs if g is not None), like.dtype)
     grad_outs = [torch.zeros(like.shape, dtype=dtype, device=like.device) if g is None else g for g in grad_outs]
-    d_src, d_q, d_g, d_gate, d_prior, d_prior_lse = route_bwd(
+    d_src, d_q, d_g, d_gate, d_prior, d_prior_lse = backward(
         sources, queries, gains, ctx.heads, ctx.eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd
     )
     return (
-        list(d_src.unbind(0)),
-        d_q,
-        d_g,
-        None,
-        None,
+        d_src, d_q, d_g,
         grad_outs[0] if ctx.additive else None,  # d stream = d out
         d_gate if gate is not None else None,
         d_prior if prior_out is not None else None,
         d_prior_lse if prior_lse is not None else None,
-        None,
     )
+
+
+def _backward_rule(ctx, grads):
+    res = _gradients(ctx, grads, route_bwd)
+    if res is None:
+        return (None,) * 10
+    d_src, d_q, d_g, d_stream, d_gate, d_prior, d_prior_lse = res
+    return list(d_src.unbind(0)), d_q, d_g, None, None, d_stream, d_gate, d_prior, d_prior_lse, None
 
 
 route_fwd.register_autograd(_backward_rule, setup_context=_setup_context)
@@ -1047,33 +1055,18 @@ class _RouteFunction(torch.autograd.Function):
         outs = _forward(list(sources), queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores)
         n_out = 1 if stream is not None else queries.shape[0]
         ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, outs[n_out], outs[n_out + 2], *sources)
-        ctx.heads, ctx.eps, ctx.n_out, ctx.additive = heads, eps, n_out, stream is not None
+        ctx.heads, ctx.eps, ctx.n_out, ctx.additive, ctx.n_src = heads, eps, n_out, stream is not None, len(sources)
         ctx.mark_non_differentiable(outs[n_out + 1], outs[n_out + 2])
         ctx.set_materialize_grads(False)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        queries, gains, gate, prior_out, prior_lse, lse, rstd, *sources = ctx.saved_tensors
-        grad_outs, grad_lse = list(grads[: ctx.n_out]), grads[ctx.n_out]
-        n_src = len(sources)
-        if all(g is None for g in grad_outs) and grad_lse is None:
-            return (None,) * (9 + n_src)
-        like = sources[0] if sources else prior_out
-        dtype = next((g.dtype for g in grad_outs if g is not None), like.dtype)
-        grad_outs = [torch.zeros(like.shape, dtype=dtype, device=like.device) if g is None else g for g in grad_outs]
-        d_src, d_q, d_g, d_gate, d_prior, d_prior_lse = _backward(
-            sources, queries, gains, ctx.heads, ctx.eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd
-        )
-        return (
-            None, None, None,
-            d_q, d_g,
-            grad_outs[0] if ctx.additive else None,  # d stream = d out
-            d_gate if gate is not None else None,
-            d_prior if prior_out is not None else None,
-            d_prior_lse if prior_lse is not None else None,
-            *d_src.unbind(0),
-        )
+        res = _gradients(ctx, grads, _backward)
+        if res is None:
+            return (None,) * (9 + ctx.n_src)
+        d_src, *rest = res
+        return (None, None, None, *rest, *d_src.unbind(0))
 
 
 def _route(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores):
