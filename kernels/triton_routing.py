@@ -721,16 +721,14 @@ def _offsets(tensors: Sequence[Tensor], base: Tensor) -> Tensor:
     if base.device.type != "cuda":
         return torch.tensor(offs, dtype=torch.int64)
     # Training allocates the same buffers at the same addresses step after step, so a table is
-    # usually one already on the device: reuse it (no host-to-device copy). Tables are read-only.
+    # usually one already on the device: reuse it (no host-to-device copy). Tables are read-only and
+    # never freed (a captured CUDA graph may hold one), so the cache stops growing when full.
     key = (base.device.index, offs)
     table = _OFFSET_TABLES.get(key)
-    if table is None and torch.cuda.is_current_stream_capturing():  # a graph's copy: not for later calls
-        return torch.tensor(offs, dtype=torch.int64, pin_memory=True).to(base.device, non_blocking=True)
     if table is None:
-        if len(_OFFSET_TABLES) >= _OFFSET_TABLES_MAX:
-            _OFFSET_TABLES.clear()
         table = torch.tensor(offs, dtype=torch.int64, pin_memory=True).to(base.device, non_blocking=True)
-        _OFFSET_TABLES[key] = table
+        if len(_OFFSET_TABLES) < _OFFSET_TABLES_MAX and not torch.cuda.is_current_stream_capturing():
+            _OFFSET_TABLES[key] = table  # (a table made during capture belongs to that graph's memory)
     return table
 
 
