@@ -54,6 +54,8 @@ VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L su
 }
 # Kernel settings against the defaults, same model, side by side: "<variant>:<knob>" (several
 # knobs joined by ":"). Each knob is {(module, attribute[, key]): value}, set while the variant runs.
+# Site groups are powers of two dividing a pass's sites (S = 3 / 6 / 9 for block MHAR at 100m /
+# 350m / 1b, 8 for full routing), so fwd4, fwd8 and stats4 change nothing where S has no such factor.
 TR = "lit_mhar.kernels.triton_routing"
 KNOBS = {
     "custom-op": {(TR, "EAGER_FUNCTION"): False},  # eager calls through the custom op's autograd

@@ -62,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from lit_mhar.kernels.reference import check_decode_args, check_route_args, check_sites_decode_args
 
@@ -694,8 +695,10 @@ def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple
     return bs, rows, warps, bh, bdh
 
 
-def _group_sites(n_sites: int, most: int) -> int:
-    """Sites per program: the largest power of two <= ``most`` dividing ``n_sites`` (no padding sites)."""
+def _group_sites(n_sites: int, most: int, d: int, heads: int) -> int:
+    """Sites per program: the largest power of two <= ``most`` dividing ``n_sites`` (no padding
+    sites) whose tile of one token per site fits ``MAX_TILE_ELEMENTS`` at width ``d`` (1 always fits)."""
+    most = min(most, max(1, MAX_TILE_ELEMENTS // _geometry(d, heads)[2]))
     group = 1
     while group * 2 <= most and n_sites % (group * 2) == 0:
         group *= 2
@@ -745,7 +748,7 @@ def _check_dtypes(sources: Sequence[Tensor]) -> None:
 def _forward(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
     stream: Optional[Tensor], gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
-    store_scores: bool,
+    store_scores: bool, save_rstd: bool = False,
 ) -> list[Tensor]:
     like = sources[0] if sources else prior_out
     shape, d = like.shape, like.shape[-1]
@@ -753,7 +756,7 @@ def _forward(
     interpret = like.device.type != "cuda"
     if n_sites < SITE_LOOP_MIN_SITES and n_sites > 1:  # the two-pass backward's limit on sites per pass, checked before any work
         _tile("bwd", n_sites, d, heads, interpret)
-    group = _group_sites(n_sites, FWD_SITES)
+    group = _group_sites(n_sites, FWD_SITES, d, heads)
     _, bm, warps, bh, bdh = _tile("fwd", group, d, heads, interpret)
     srcs = [_aligned(s) for s in sources]
     base = srcs[0] if srcs else _aligned(prior_out)
@@ -764,7 +767,7 @@ def _forward(
         outs = [_new(shape, like.dtype, like.device) for _ in range(n_sites)]
     lse = _new((n_sites, *shape[:-1], heads), torch.float32, like.device)
     scores = _new((n_src, *shape[:-1], heads) if store_scores else (0,), torch.float32, like.device)
-    store_rstd = _saves_rstd(n_sites, n_src, prior_out is not None)
+    store_rstd = bool(save_rstd) and n_src > 0
     rstd = _new((n_src, M) if store_rstd else (0,), torch.float32, like.device)
     dummy = w
     _kernel("fwd", interpret)[(triton.cdiv(M, bm) * (n_sites // group),)](
@@ -788,9 +791,15 @@ def _uses_site_loop(n_sites: int, n_src: int, has_prior: bool) -> bool:
     return not has_prior and n_src > 0 and (n_sites >= SITE_LOOP_MIN_SITES or n_src >= SITE_LOOP_MIN_SOURCES)
 
 
-def _saves_rstd(n_sites: int, n_src: int, has_prior: bool) -> bool:
-    """Whether the forward of such a pass writes each source's key rstd ``[N, tokens]`` for its backward."""
-    return SAVE_RSTD and _uses_site_loop(n_sites, n_src, has_prior)
+def _saves_rstd(sources: Sequence[Tensor], queries: Tensor, gains: Tensor, has_prior: bool) -> bool:
+    """Whether the forward of such a pass writes each source's key rstd ``[N, tokens]`` for its
+    backward: ``SAVE_RSTD``, a backward that will run (gradients on) and runs the site loop."""
+    return (
+        SAVE_RSTD
+        and _uses_site_loop(queries.shape[0], len(sources), has_prior)
+        and torch.is_grad_enabled()
+        and any(t.requires_grad for t in (queries, gains, *sources))
+    )
 
 
 def _backward(
@@ -879,7 +888,7 @@ def _backward_site_loop(
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
     device = like.device
     interpret = device.type != "cuda"
-    group = _group_sites(n_sites, STATS_SITES)
+    group = _group_sites(n_sites, STATS_SITES, d, heads)
     n_groups = n_sites // group
     _, bm, warps, bh, bdh = _tile("bwd_stats", group, d, heads, interpret)
     _, bm_src, warps_src, _, _ = _tile("bwd_sources", 1, d, heads, interpret)
@@ -942,28 +951,30 @@ def _backward_site_loop(
 def route_fwd(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
     stream: Optional[Tensor], gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
-    store_scores: bool,
+    store_scores: bool, save_rstd: bool,
 ) -> list[Tensor]:
     """Fused forward of ``S = queries.shape[0]`` routing sites over the same sources.
 
     Args: sources N tensors ``[..., d]`` of one dtype (N may be 0 with a prior); queries, gains
     ``[S, d]``; ``stream``/``gate`` the additive form (S = 1); ``prior_out`` ``[..., d]`` and
-    ``prior_lse`` ``[..., H]`` float32 a routed value merged as one more source (S = 1).
+    ``prior_lse`` ``[..., H]`` float32 a routed value merged as one more source (S = 1);
+    ``store_scores`` also returns each source's scores; ``save_rstd`` also returns each source's key
+    rstd (for the site loop's backward).
 
     Returns ``[out_0 .. out_{S-1}, lse [S, ..., H] float32, scores [N, ..., H] float32 or empty,
     rstd [N, tokens] float32 (each source's key rstd, for the backward) or empty]``.
     """
-    return _forward(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores)
+    return _forward(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd)
 
 
 @route_fwd.register_fake
-def _(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores):
+def _(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd):
     like = sources[0] if sources else prior_out
     lead = like.shape[:-1]
     outs = [stream.new_empty(like.shape)] if stream is not None else [like.new_empty(like.shape) for _ in range(queries.shape[0])]
     lse = like.new_empty((queries.shape[0], *lead, heads), dtype=torch.float32)
     scores = like.new_empty((len(sources), *lead, heads) if store_scores else (0,), dtype=torch.float32)
-    saves = _saves_rstd(queries.shape[0], len(sources), prior_out is not None)
+    saves = bool(save_rstd) and len(sources) > 0
     rstd = like.new_empty((len(sources), like.numel() // like.shape[-1]) if saves else (0,), dtype=torch.float32)
     return [*outs, lse, scores, rstd]
 
@@ -998,7 +1009,7 @@ def _(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad
 
 
 def _setup_context(ctx, inputs, output):
-    sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores = inputs
+    sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd = inputs
     n_out = 1 if stream is not None else queries.shape[0]
     ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, output[n_out], output[n_out + 2], *sources)
     ctx.heads, ctx.eps, ctx.n_out, ctx.additive = heads, eps, n_out, stream is not None
@@ -1034,7 +1045,7 @@ def _backward_rule(ctx, grads):
     if res is None:
         return (None,) * 10
     d_src, d_q, d_g, d_stream, d_gate, d_prior, d_prior_lse = res
-    return list(d_src.unbind(0)), d_q, d_g, None, None, d_stream, d_gate, d_prior, d_prior_lse, None
+    return list(d_src.unbind(0)), d_q, d_g, None, None, d_stream, d_gate, d_prior, d_prior_lse, None, None
 
 
 route_fwd.register_autograd(_backward_rule, setup_context=_setup_context)
@@ -1044,13 +1055,13 @@ class _RouteFunction(torch.autograd.Function):
     """Eager autograd of :func:`route_fwd`: the same kernels and gradients as the custom op's
     registered autograd, without the custom op's per-call argument handling (``EAGER_FUNCTION``).
 
-    ``apply(heads, eps, store_scores, queries, gains, stream, gate, prior_out, prior_lse, *sources)``
+    ``apply(heads, eps, store_scores, save_rstd, queries, gains, stream, gate, prior_out, prior_lse, *sources)``
     returns the custom op's outputs as a tuple.
     """
 
     @staticmethod
-    def forward(ctx, heads, eps, store_scores, queries, gains, stream, gate, prior_out, prior_lse, *sources):
-        outs = _forward(list(sources), queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores)
+    def forward(ctx, heads, eps, store_scores, save_rstd, queries, gains, stream, gate, prior_out, prior_lse, *sources):
+        outs = _forward(list(sources), queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd)
         n_out = 1 if stream is not None else queries.shape[0]
         ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, outs[n_out], outs[n_out + 2], *sources)
         ctx.heads, ctx.eps, ctx.n_out, ctx.additive, ctx.n_src = heads, eps, n_out, stream is not None, len(sources)
@@ -1059,20 +1070,24 @@ class _RouteFunction(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients are not differentiable again (as with the custom op)
     def backward(ctx, *grads):
         res = _gradients(ctx, grads, _backward)
         if res is None:
-            return (None,) * (9 + ctx.n_src)
+            return (None,) * (10 + ctx.n_src)
         d_src, *rest = res
-        return (None, None, None, *rest, *d_src.unbind(0))
+        return (None, None, None, None, *rest, *d_src.unbind(0))
 
 
 def _route(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores):
     """:func:`route_fwd` with autograd: the custom op under ``torch.compile``, else (with
-    ``EAGER_FUNCTION``) :class:`_RouteFunction`, which runs the same kernels."""
+    ``EAGER_FUNCTION``) :class:`_RouteFunction`, which runs the same kernels. Whether the forward
+    saves the key rstd is decided here, outside the op, so that the op's output shapes follow from
+    its arguments (torch.compile guards on the module settings read here)."""
+    save_rstd = _saves_rstd(sources, queries, gains, prior_out is not None)
     if EAGER_FUNCTION and not torch.compiler.is_compiling():
-        return _RouteFunction.apply(heads, eps, store_scores, queries, gains, stream, gate, prior_out, prior_lse, *sources)
-    return torch.ops.lit_mhar.route_fwd(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores)
+        return _RouteFunction.apply(heads, eps, store_scores, save_rstd, queries, gains, stream, gate, prior_out, prior_lse, *sources)
+    return torch.ops.lit_mhar.route_fwd(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd)
 
 
 # ----------------------------------------------------------------------------------------------

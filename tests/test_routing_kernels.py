@@ -197,8 +197,8 @@ def test_site_groups_match_float64_reference(monkeypatch, fwd_sites, stats_sites
     monkeypatch.setattr(tr, "FWD_SITES", fwd_sites)
     monkeypatch.setattr(tr, "STATS_SITES", stats_sites)
     for sites, expected in ((8, fwd_sites), (6, min(2, fwd_sites))):
-        assert tr._group_sites(sites, tr.FWD_SITES) == expected
-        assert tr._group_sites(sites, tr.STATS_SITES) == (stats_sites if sites == 8 else min(2, stats_sites))
+        assert tr._group_sites(sites, tr.FWD_SITES, 96, 4) == expected
+        assert tr._group_sites(sites, tr.STATS_SITES, 96, 4) == (stats_sites if sites == 8 else min(2, stats_sites))
         g = torch.Generator().manual_seed(11 + sites)
         srcs = [(torch.randn(67, 96, generator=g) * (1 + i)).to(DEVICE) for i in range(3)]
         queries = (0.6 * torch.randn(sites, 96, generator=g)).to(DEVICE)
@@ -240,7 +240,7 @@ def test_saved_rstd_matches_float64_reference(monkeypatch, sites, n):
     for save in (True, False):
         monkeypatch.setattr(tr, "SAVE_RSTD", save)
         with use_backend("triton"):
-            res = tr._route(srcs, queries, gains, 4, 1e-6, None, None, None, None, False)
+            res = tr._route([x.detach().requires_grad_() for x in srcs], queries, gains, 4, 1e-6, None, None, None, None, False)
             got = run(tr, lambda x: x.detach().clone())
         if save:
             rstd64 = torch.stack([x.double().square().mean(-1).add(1e-6).rsqrt().flatten() for x in srcs])
@@ -249,6 +249,55 @@ def test_saved_rstd_matches_float64_reference(monkeypatch, sites, n):
             assert res[sites + 2].numel() == 0
         errs = [rel_err(a, b) for a, b in zip(got, ref)]
         assert max(errs) < TOL[torch.float32], (save, errs)
+
+
+def test_saved_rstd_only_when_a_backward_will_run():
+    """No key rstd is written under no_grad or when no input requires a gradient."""
+    g = torch.Generator().manual_seed(4)
+    srcs = [torch.randn(7, 32, generator=g).to(DEVICE) for _ in range(3)]
+    queries, gains = torch.randn(2, 32, generator=g).to(DEVICE), torch.ones(2, 32, device=DEVICE)
+    with use_backend("triton"):
+        assert tr._route(srcs, queries, gains, 2, 1e-6, None, None, None, None, False)[4].numel() == 0
+        q = queries.clone().requires_grad_()
+        assert tr._route(srcs, q, gains, 2, 1e-6, None, None, None, None, False)[4].shape == (3, 7)
+        with torch.no_grad():
+            assert tr._route(srcs, q, gains, 2, 1e-6, None, None, None, None, False)[4].numel() == 0
+
+
+def test_site_groups_shrink_to_fit_wide_widths(monkeypatch):
+    """A width whose padded lanes times the site group exceed the tile budget routes fewer sites per
+    program instead of refusing: d = 5120 (8192 lanes at H = 8) with groups of 8 asked for."""
+    monkeypatch.setattr(tr, "FWD_SITES", 8)
+    monkeypatch.setattr(tr, "STATS_SITES", 8)
+    assert tr._group_sites(8, 8, 5120, 8) == 1 and tr._group_sites(8, 8, 1024, 8) == 8
+    g = torch.Generator().manual_seed(6)
+    srcs = [torch.randn(3, 5120, generator=g).to(DEVICE) for _ in range(2)]
+    queries = (0.05 * torch.randn(2, 5120, generator=g)).to(DEVICE)
+    gains = torch.ones(2, 5120, device=DEVICE)
+    leaves = [x.clone().requires_grad_() for x in (*srcs, queries)]
+    with use_backend("triton"):
+        outs, lse = tr.route_sites(leaves[:2], leaves[2], gains, 8)
+    grads = torch.autograd.grad(sum(o.sum() for o in outs), leaves)
+    ref_leaves = [x.detach().double().requires_grad_() for x in (*srcs, queries)]
+    ref, ref_lse = reference.route_sites(ref_leaves[:2], ref_leaves[2], gains.double(), 8)
+    ref_grads = torch.autograd.grad(sum(o.sum() for o in ref), ref_leaves)
+    errs = [rel_err(a, b) for a, b in zip([*outs, lse, *grads], [*ref, ref_lse, *ref_grads])]
+    assert max(errs) < TOL[torch.float32], errs
+
+
+@pytest.mark.parametrize("eager_function", [True, False])
+def test_double_backward_is_refused(monkeypatch, eager_function):
+    """The kernels' gradients are not differentiable again: asking for a second derivative raises
+    on both autograd paths instead of returning a wrong one."""
+    monkeypatch.setattr(tr, "EAGER_FUNCTION", eager_function)
+    g = torch.Generator().manual_seed(8)
+    srcs = [torch.randn(5, 32, generator=g).to(DEVICE).requires_grad_() for _ in range(3)]
+    queries, gains = torch.randn(2, 32, generator=g).to(DEVICE), torch.ones(2, 32, device=DEVICE).requires_grad_()
+    with use_backend("triton"):
+        outs, _ = tr.route_sites(srcs, queries, gains, 2)
+    first = torch.autograd.grad(sum(o.square().sum() for o in outs), [*srcs, gains], create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(sum(x.sum() for x in first), [*srcs, gains])
 
 
 @pytest.mark.parametrize("additive", [False, True], ids=["replace", "additive"])
@@ -441,7 +490,7 @@ def test_compiled_model_has_no_graph_break_around_the_op():
 
 def test_custom_ops_pass_opcheck():
     sources, query, gain, stream, gate, grad = make_case(3, 2, 64, 5, torch.float32, True)
-    args = ([s.requires_grad_() for s in sources], query[None].requires_grad_(), gain[None], 2, 1e-6, stream, gate, None, None, False)
+    args = ([s.requires_grad_() for s in sources], query[None].requires_grad_(), gain[None], 2, 1e-6, stream, gate, None, None, False, False)
     torch.library.opcheck(torch.ops.lit_mhar.route_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     lse = torch.ops.lit_mhar.route_fwd(*args)[1].detach()
     for gate_ in (gate, None):  # the backward op too, with and without the outputs a form leaves empty
@@ -449,7 +498,7 @@ def test_custom_ops_pass_opcheck():
         torch.library.opcheck(torch.ops.lit_mhar.route_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
     # two sites (the site loop): the forward saves each source's key rstd, which the backward takes
     queries2, gains2 = torch.stack([query, 0.5 * query]), torch.stack([gain, gain])
-    args2 = ([s.detach().requires_grad_() for s in sources], queries2.requires_grad_(), gains2, 2, 1e-6, None, None, None, None, False)
+    args2 = ([s.detach().requires_grad_() for s in sources], queries2.requires_grad_(), gains2, 2, 1e-6, None, None, None, None, False, True)
     torch.library.opcheck(torch.ops.lit_mhar.route_fwd, args2, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     res = torch.ops.lit_mhar.route_fwd(*args2)
     assert res[4].shape == (3, grad.numel() // 64)
