@@ -191,7 +191,7 @@ def _route_fwd(
         m_i = m_new
 
     routed = acc / l_i
-    tl.store(lse_ptr + s_i * M * H + hm_off, m_i + tl.log(l_i), mask=smask & hmask)
+    tl.store(lse_ptr + s_i.to(tl.int64) * M * H + hm_off, m_i + tl.log(l_i), mask=smask & hmask)
     if ADDITIVE:  # Delta AttnRes: out = stream + gate * r (BS == 1)
         stream = tl.load(stream_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
         gate = tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32)
@@ -239,7 +239,7 @@ def _route_bwd(
         xmask = (rows < M) & cmask
         hm_off = rows * H + h_i
         hmask = (rows < M) & (h_i < H)
-        sh_off = s_i * M * H + hm_off  # [BS, BM, BH, 1]
+        sh_off = s_i.to(tl.int64) * M * H + hm_off  # [BS, BM, BH, 1]
         shmask = smask & hmask
         dout = tl.load(g_base + g_off + x_off, mask=smask & xmask, other=0.0).to(tl.float32)  # [BS, BM, BH, BDH]
         if ADDITIVE:
