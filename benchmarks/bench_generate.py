@@ -36,10 +36,8 @@ Imports torch, triton and lit_mhar's model only.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import gc
-import importlib
 import math
 import os
 import statistics
@@ -54,7 +52,7 @@ from lit_mhar.config import ModelConfig
 from lit_mhar.model import LM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_training import compile_sublayers  # noqa: E402  (the same compilation as the training benchmark)
+from bench_training import compile_sublayers, settings  # noqa: E402  (the same compilation as the training benchmark)
 
 VARIANTS = {  # name -> ModelConfig overrides; "8blocks": S = 2L / 8
     "prenorm": dict(residual="prenorm"),
@@ -75,19 +73,11 @@ KNOBS = {
 }
 
 
-@contextlib.contextmanager
 def knobs(name: str):
     """Set the variant's :data:`KNOBS` for the duration, then restore them."""
-    saved = []
-    try:
-        for (module, attr), value in KNOBS.get(name, {}).items():
-            mod = importlib.import_module(module)
-            saved.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, value)
-        yield
-    finally:
-        for mod, attr, value in reversed(saved):
-            setattr(mod, attr, value)
+    return settings(KNOBS.get(name, {}))
+
+
 SMOKE = dict(d_model=64, n_layer=8, n_head=4, n_kv_head=2, ffn_dim=128, vocab_size=512, seq_len=128)
 FIELDS = [
     "scale", "variant", "heads", "block_size", "backbone", "batch", "prompt_len", "decode_steps", "cache_len",

@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 from triton.testing import do_bench
@@ -85,27 +86,22 @@ def split_variant(name: str) -> tuple[dict, list[str]]:
 
 
 @contextlib.contextmanager
+def settings(values: dict):
+    """Set ``{(module, attribute[, key]): value}`` for the duration (a dict entry where a key is
+    given), then restore them; the patching is :mod:`unittest.mock`'s."""
+    with contextlib.ExitStack() as stack:
+        for (module, attr, *key), value in values.items():
+            mod = importlib.import_module(module)
+            if key:
+                stack.enter_context(mock.patch.dict(getattr(mod, attr), {key[0]: value}))
+            else:
+                stack.enter_context(mock.patch.object(mod, attr, value))
+        yield
+
+
 def knobs(names: list[str]):
     """Set the named :data:`KNOBS` for the duration, then restore the defaults."""
-    saved = []
-    try:
-        for name in names:
-            for (module, attr, *key), value in KNOBS[name].items():
-                target = getattr(importlib.import_module(module), attr) if key else importlib.import_module(module)
-                field = key[0] if key else attr
-                if key:
-                    saved.append((target, field, target[field], True))
-                    target[field] = value
-                else:
-                    saved.append((target, field, getattr(target, field), False))
-                    setattr(target, field, value)
-        yield
-    finally:
-        for target, field, value, is_key in reversed(saved):
-            if is_key:
-                target[field] = value
-            else:
-                setattr(target, field, value)
+    return settings({k: v for name in names for k, v in KNOBS[name].items()})
 
 
 def matmul_tflops() -> float:
