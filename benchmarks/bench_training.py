@@ -69,6 +69,8 @@ KNOBS = {
     "bwd4096": {(TR, "TILE_ELEMENTS", "bwd"): 4096, (TR, "ELEMENTS_PER_THREAD", "bwd"): 16},  # the former two-pass tiles
     "grid32": {(TR, "OCCUPANCY_GRIDS"): frozenset()},  # persistent backward grids of 32 warps per SM, not sized by registers
     "occ-stats": {(TR, "OCCUPANCY_GRIDS"): frozenset({"bwd", "bwd_stats"})},  # site loop's pass one sized too
+    "pad": {(TR, "SPLIT_WIDTH"): False},  # head widths padded to a power of two, not split in two tiles
+    "bwd8w": {(TR, "WARPS", "bwd"): 8},  # the two-pass backward on 8 warps whatever its tile
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "mfu_measured",
           "peak_mem_GiB", "mem_ratio_vs_prenorm", "loss", "compile_s", "matmul_TFLOPs", "status", "note"]

@@ -114,6 +114,11 @@ EAGER_FUNCTION = True
 # source, 7 -> 4 barriers per iteration at 350m shapes, by ptxas; in training at 350m on an H200
 # block MHAR 0.916 against 0.910 recomputing, full MHAR 0.677 against 0.660). A benchmark knob.
 SAVE_RSTD = True
+# Head widths d/H that are a sum of two powers of two (96 = 64 + 32 at 100m, 160 = 128 + 32 at 1b,
+# with H = 8) are held by the training kernels as two tiles per head instead of one padded to the
+# next power of two (128, 256): a third and three eighths of the lanes at those widths did no work.
+# A benchmark knob (False pads).
+SPLIT_WIDTH = True
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -137,7 +142,7 @@ def _route_fwd(
     prior_ptr, prior_lse_ptr,
     scores_ptr, rstd_ptr,
     M, eps,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, STORE_SCORES: tl.constexpr, STORE_RSTD: tl.constexpr,
 ):
@@ -160,29 +165,46 @@ def _route_fwd(
     hm_off = rows * H + h_i  # [1, BM, BH, 1]
     hmask = (rows < M) & (h_i < H)
     w = tl.load(w_ptr + s_i * D + col, mask=smask & cmask, other=0.0)  # [BS, 1, BH, BDH] q * g
+    if DT > 0:  # a second tile for each head's last DT channels (DH = BDH + DT): no padding lanes
+        col_t = h_i * DH + BDH + tl.arange(0, DT)[None, None, None, :]  # [1, 1, BH, DT]
+        x_off_t = rows * D + col_t
+        xmask_t = hmask
+        w_t = tl.load(w_ptr + s_i * D + col_t, mask=smask & (h_i < H), other=0.0)  # [BS, 1, BH, DT]
 
     if HAS_PRIOR:  # the prior enters as a source with score lse_prior and value o (BS == 1)
         m_i = tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0)
         l_i = tl.full([BS, BM, BH, 1], 1.0, tl.float32)
         acc = tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
+        if DT > 0:
+            acc_t = tl.load(prior_ptr + x_off_t, mask=xmask_t, other=0.0).to(tl.float32)
     else:
         m_i = tl.full([BS, BM, BH, 1], float("-inf"), tl.float32)
         l_i = tl.full([BS, BM, BH, 1], 0.0, tl.float32)
         acc = tl.full([BS, BM, BH, BDH], 0.0, tl.float32)
+        if DT > 0:
+            acc_t = tl.full([BS, BM, BH, DT], 0.0, tl.float32)
 
     # Sources are loaded one iteration ahead so that two tiles are in flight per program
     # (the offset table has one spare entry; a load past the last source is masked off by rows).
     off = tl.multiple_of(tl.load(src_offs), ALIGN)
     v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
+    if DT > 0:
+        v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 0, M, 0)) & (h_i < H), other=0.0)
     for i in range(n_src):
         v = v_next.to(tl.float32)  # [1, BM, BH, BDH]
         off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
         v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
         sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)  # [1, BM, 1, 1]
+        s = tl.reduce(w * v, 3, _ADD, keep_dims=True)  # [BS, BM, BH, 1]
+        if DT > 0:
+            v_t = v_next_t.to(tl.float32)  # [1, BM, BH, DT]
+            v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
+            sq += tl.reduce(tl.reduce(v_t * v_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            s += tl.reduce(w_t * v_t, 3, _ADD, keep_dims=True)
         rstd = 1.0 / tl.sqrt(sq / D + eps)
         if STORE_RSTD:  # [N, M] float32 for the site loop's backward, written by the first group's programs
             tl.store(rstd_ptr + tl.cast(i, tl.int64) * M + rows, rstd, mask=rows < tl.where(pid % n_groups == 0, M, 0))
-        s = tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd  # [BS, BM, BH, 1]
+        s = s * rstd
         if STORE_SCORES:
             tl.store(scores_ptr + tl.cast(i, tl.int64) * M * H + hm_off, s, mask=hmask)
         m_new = tl.maximum(m_i, s)
@@ -190,17 +212,27 @@ def _route_fwd(
         p = tl.exp(s - m_new)
         l_i = l_i * scale + p
         acc = acc * scale + p * v
+        if DT > 0:
+            acc_t = acc_t * scale + p * v_t
         m_i = m_new
 
     routed = acc / l_i
+    if DT > 0:
+        routed_t = acc_t / l_i
     tl.store(lse_ptr + s_i.to(tl.int64) * M * H + hm_off, m_i + tl.log(l_i), mask=smask & hmask)
     if ADDITIVE:  # Delta AttnRes: out = stream + gate * r (BS == 1)
         stream = tl.load(stream_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
         gate = tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32)
         tl.store(out_base + x_off, (stream + gate * routed).to(out_base.dtype.element_ty), mask=xmask)
+        if DT > 0:
+            stream_t = tl.load(stream_ptr + x_off_t, mask=xmask_t, other=0.0).to(tl.float32)
+            gate_t = tl.load(gate_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32)
+            tl.store(out_base + x_off_t, (stream_t + gate_t * routed_t).to(out_base.dtype.element_ty), mask=xmask_t)
     else:
         o_off = tl.load(out_offs + s_i, mask=smask, other=0)  # [BS, 1, 1, 1]
         tl.store(out_base + o_off + x_off, routed.to(out_base.dtype.element_ty), mask=smask & xmask)
+        if DT > 0:
+            tl.store(out_base + o_off + x_off_t, routed_t.to(out_base.dtype.element_ty), mask=smask & xmask_t)
 
 
 def _route_bwd(
@@ -212,10 +244,12 @@ def _route_bwd(
     prior_ptr, prior_lse_ptr,
     dsrc_ptr, dw_ptr, dgate_ptr, dprior_ptr, dprior_lse_ptr,
     M, eps, num_tiles,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
+    # Every lane tensor has a twin ``*_t`` over each head's last DT channels when DT > 0 (see
+    # _route_fwd); sums over a head add the two.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     s_i = tl.arange(0, BS)[:, None, None, None]
@@ -229,9 +263,16 @@ def _route_bwd(
     s_1d = tl.arange(0, BS)
     g_off = tl.multiple_of(tl.load(g_offs + s_1d, mask=s_1d < n_sites, other=0), G_ALIGN)[:, None, None, None]
     dw_acc = tl.full([BS, 1, BH, BDH], 0.0, tl.float32)
+    if DT > 0:
+        col_t = h_i * DH + BDH + tl.arange(0, DT)[None, None, None, :]  # [1, 1, BH, DT]
+        w_t = tl.load(w_ptr + s_i * D + col_t, mask=smask & (h_i < H), other=0.0)
+        dw_acc_t = tl.full([BS, 1, BH, DT], 0.0, tl.float32)
     if ADDITIVE:
         gate = tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32)
         dgate_acc = tl.full([1, 1, BH, BDH], 0.0, tl.float32)
+        if DT > 0:
+            gate_t = tl.load(gate_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32)
+            dgate_acc_t = tl.full([1, 1, BH, DT], 0.0, tl.float32)
 
     # Persistent programs: tile pid, pid + nprog, ... so that dw is summed in registers over many
     # tiles and each program writes one partial; the order is fixed, hence deterministic.
@@ -248,61 +289,111 @@ def _route_bwd(
             dr = dout * gate
         else:
             dr = dout
+        if DT > 0:
+            x_off_t = rows * D + col_t
+            dout_t = tl.load(g_base + g_off + x_off_t, mask=shmask, other=0.0).to(tl.float32)  # [BS, BM, BH, DT]
+            if ADDITIVE:
+                dr_t = dout_t * gate_t
+            else:
+                dr_t = dout_t
         lse = tl.load(lse_ptr + sh_off, mask=shmask, other=0.0)
 
         # pass 1: D = sum_i alpha_i <dr, v_i>_h (and r itself for the gate's gradient)
         dsum = tl.full([BS, BM, BH, 1], 0.0, tl.float32)
         if ADDITIVE:
             racc = tl.full([1, BM, BH, BDH], 0.0, tl.float32)
+            if DT > 0:
+                racc_t = tl.full([1, BM, BH, DT], 0.0, tl.float32)
         if HAS_PRIOR:
             po = tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
             p_alpha = tl.exp(tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0) - lse)
             p_a = tl.reduce(dr * po, 3, _ADD, keep_dims=True)
+            if DT > 0:
+                po_t = tl.load(prior_ptr + x_off_t, mask=hmask, other=0.0).to(tl.float32)
+                p_a += tl.reduce(dr_t * po_t, 3, _ADD, keep_dims=True)
             dsum += p_alpha * p_a
             if ADDITIVE:
                 racc += tl.reduce(p_alpha * po, 0, _ADD, keep_dims=True)
+                if DT > 0:
+                    racc_t += tl.reduce(p_alpha * po_t, 0, _ADD, keep_dims=True)
         off = tl.multiple_of(tl.load(src_offs), ALIGN)
         v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
+        if DT > 0:
+            v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 0, M, 0)) & (h_i < H), other=0.0)
         for i in range(n_src):
             v = v_next.to(tl.float32)
             off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
             v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
             sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            sc = tl.reduce(w * v, 3, _ADD, keep_dims=True)
+            a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
+            if DT > 0:
+                v_t = v_next_t.to(tl.float32)
+                v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
+                sq += tl.reduce(tl.reduce(v_t * v_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+                sc += tl.reduce(w_t * v_t, 3, _ADD, keep_dims=True)
+                a += tl.reduce(dr_t * v_t, 3, _ADD, keep_dims=True)
             rstd = 1.0 / tl.sqrt(sq / D + eps)
-            alpha = tl.exp(tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd - lse)
-            dsum += alpha * tl.reduce(dr * v, 3, _ADD, keep_dims=True)
+            alpha = tl.exp(sc * rstd - lse)
+            dsum += alpha * a
             if ADDITIVE:
                 racc += tl.reduce(alpha * v, 0, _ADD, keep_dims=True)
+                if DT > 0:
+                    racc_t += tl.reduce(alpha * v_t, 0, _ADD, keep_dims=True)
         if HAS_DLSE:  # d lse_h enters every score like a constant shift of its D
             dsum -= tl.load(dlse_ptr + sh_off, mask=shmask, other=0.0)
         if ADDITIVE:
             dgate_acc += tl.reduce(tl.reduce(dout, 0, _ADD, keep_dims=True) * racc, 1, _ADD, keep_dims=True)
+            if DT > 0:
+                dgate_acc_t += tl.reduce(tl.reduce(dout_t, 0, _ADD, keep_dims=True) * racc_t, 1, _ADD, keep_dims=True)
         if HAS_PRIOR:
             tl.store(dprior_ptr + x_off, (p_alpha * dr).to(dprior_ptr.dtype.element_ty), mask=xmask)
+            if DT > 0:
+                tl.store(dprior_ptr + x_off_t, (p_alpha * dr_t).to(dprior_ptr.dtype.element_ty), mask=hmask)
             tl.store(dprior_lse_ptr + hm_off, p_alpha * (p_a - dsum), mask=hmask)
 
         # pass 2: every source gradient, and dw summed over this program's tokens
         off = tl.multiple_of(tl.load(src_offs), ALIGN)
         v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
+        if DT > 0:
+            v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 0, M, 0)) & (h_i < H), other=0.0)
         for i in range(n_src):
             v = v_next.to(tl.float32)
             off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
             v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
             sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            sc = tl.reduce(w * v, 3, _ADD, keep_dims=True)
+            a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
+            if DT > 0:
+                v_t = v_next_t.to(tl.float32)
+                v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
+                sq += tl.reduce(tl.reduce(v_t * v_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+                sc += tl.reduce(w_t * v_t, 3, _ADD, keep_dims=True)
+                a += tl.reduce(dr_t * v_t, 3, _ADD, keep_dims=True)
             rstd = 1.0 / tl.sqrt(sq / D + eps)  # [1, BM, 1, 1]
-            s = tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd  # [BS, BM, BH, 1]
+            s = sc * rstd  # [BS, BM, BH, 1]
             alpha = tl.where(shmask, tl.exp(s - lse), 0.0)
-            ds = alpha * (tl.reduce(dr * v, 3, _ADD, keep_dims=True) - dsum)
+            ds = alpha * (a - dsum)
             t = tl.reduce(tl.reduce(ds * s, 2, _ADD, keep_dims=True), 0, _ADD, keep_dims=True) / D  # [1, BM, 1, 1]
             dv = tl.reduce(alpha * dr, 0, _ADD, keep_dims=True)  # through the weighted sum
             dv += rstd * tl.reduce(ds * w, 0, _ADD, keep_dims=True)  # through the score
             dv -= v * (rstd * rstd * t)  # through the key's rstd
             tl.store(dsrc_ptr + tl.cast(i, tl.int64) * M * D + x_off, dv.to(dsrc_ptr.dtype.element_ty), mask=xmask)
             dw_acc += tl.reduce(ds * (v * rstd), 1, _ADD, keep_dims=True)
+            if DT > 0:
+                dv_t = tl.reduce(alpha * dr_t, 0, _ADD, keep_dims=True)
+                dv_t += rstd * tl.reduce(ds * w_t, 0, _ADD, keep_dims=True)
+                dv_t -= v_t * (rstd * rstd * t)
+                tl.store(dsrc_ptr + tl.cast(i, tl.int64) * M * D + x_off_t, dv_t.to(dsrc_ptr.dtype.element_ty), mask=hmask)
+                dw_acc_t += tl.reduce(ds * (v_t * rstd), 1, _ADD, keep_dims=True)
 
     tl.store(dw_ptr + (pid * n_sites + s_i).to(tl.int64) * D + col, dw_acc, mask=smask & cmask)
+    if DT > 0:
+        tl.store(dw_ptr + (pid * n_sites + s_i).to(tl.int64) * D + col_t, dw_acc_t, mask=smask & (h_i < H))
     if ADDITIVE:
         tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col, dgate_acc, mask=cmask)
+        if DT > 0:
+            tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col_t, dgate_acc_t, mask=h_i < H)
 
 
 def _route_bwd_stats(
@@ -313,7 +404,7 @@ def _route_bwd_stats(
     gate_ptr, dgate_ptr,
     dsum_ptr, dw_ptr, sa_ptr, rstd_ptr,
     M, eps, num_tiles, progs_per_group,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_RSTD: tl.constexpr,
 ):
@@ -326,6 +417,7 @@ def _route_bwd_stats(
     # tiles through L2) and tiles pid // n_groups, + progs_per_group, ... (fixed order).
     # Additive form (one site, BS == 1): dr = gate * dout, and this program's share of
     # d gate = sum_tokens dout * r, with r = sum_i alpha_i v_i formed on the way.
+    # Lane tensors have twins ``*_t`` over each head's last DT channels when DT > 0 (see _route_fwd).
     pid = tl.program_id(0)
     n_groups = (n_sites + BS - 1) // BS
     s_1d = (pid % n_groups) * BS + tl.arange(0, BS)
@@ -339,9 +431,16 @@ def _route_bwd_stats(
     w = tl.load(w_ptr + s_i * D + col, mask=smask & cmask, other=0.0)  # [BS, 1, BH, BDH]
     g_off = tl.multiple_of(tl.load(g_offs + s_1d, mask=s_1d < n_sites, other=0), G_ALIGN)[:, None, None, None]
     dw_acc = tl.full([BS, 1, BH, BDH], 0.0, tl.float32)
+    if DT > 0:
+        col_t = h_i * DH + BDH + tl.arange(0, DT)[None, None, None, :]  # [1, 1, BH, DT]
+        w_t = tl.load(w_ptr + s_i * D + col_t, mask=smask & (h_i < H), other=0.0)
+        dw_acc_t = tl.full([BS, 1, BH, DT], 0.0, tl.float32)
     if ADDITIVE:
         gate = tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32)
         dgate_acc = tl.full([1, 1, BH, BDH], 0.0, tl.float32)
+        if DT > 0:
+            gate_t = tl.load(gate_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32)
+            dgate_acc_t = tl.full([1, 1, BH, DT], 0.0, tl.float32)
     for tile in range(pid // n_groups, num_tiles, progs_per_group):
         rows = tl.cast(tile, tl.int64) * BM + m_i
         x_off = rows * D + col
@@ -356,24 +455,44 @@ def _route_bwd_stats(
             racc = tl.full([BS, BM, BH, BDH], 0.0, tl.float32)
         else:
             dr = dout
+        if DT > 0:
+            x_off_t = rows * D + col_t
+            dout_t = tl.load(g_base + g_off + x_off_t, mask=shmask, other=0.0).to(tl.float32)  # [BS, BM, BH, DT]
+            if ADDITIVE:
+                dr_t = dout_t * gate_t
+                racc_t = tl.full([BS, BM, BH, DT], 0.0, tl.float32)
+            else:
+                dr_t = dout_t
+            xacc_t = tl.full([BS, BM, BH, DT], 0.0, tl.float32)
+            yacc_t = tl.full([BS, BM, BH, DT], 0.0, tl.float32)
         lse = tl.load(lse_ptr + sh_off, mask=shmask, other=0.0)
         dsum = tl.full([BS, BM, BH, 1], 0.0, tl.float32)
         xacc = tl.full([BS, BM, BH, BDH], 0.0, tl.float32)
         yacc = tl.full([BS, BM, BH, BDH], 0.0, tl.float32)
         off = tl.multiple_of(tl.load(src_offs), ALIGN)
         v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
+        if DT > 0:
+            v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 0, M, 0)) & (h_i < H), other=0.0)
         for i in range(n_src):
             v = v_next.to(tl.float32)  # [1, BM, BH, BDH]
             off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
             v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
+            sc = tl.reduce(w * v, 3, _ADD, keep_dims=True)  # [BS, BM, BH, 1]
+            a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
+            if DT > 0:
+                v_t = v_next_t.to(tl.float32)  # [1, BM, BH, DT]
+                v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
+                sc += tl.reduce(w_t * v_t, 3, _ADD, keep_dims=True)
+                a += tl.reduce(dr_t * v_t, 3, _ADD, keep_dims=True)
             if HAS_RSTD:  # saved by the forward: no reduction over the width (across warps) here
                 rstd = tl.load(rstd_ptr + tl.cast(i, tl.int64) * M + rows, mask=rows < M, other=1.0)  # [1, BM, 1, 1]
             else:
                 sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+                if DT > 0:
+                    sq += tl.reduce(tl.reduce(v_t * v_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
                 rstd = 1.0 / tl.sqrt(sq / D + eps)  # [1, BM, 1, 1]
-            sc = tl.reduce(w * v, 3, _ADD, keep_dims=True) * rstd  # [BS, BM, BH, 1]
+            sc = sc * rstd
             alpha = tl.exp(sc - lse)
-            a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
             sa_off = ((s_i.to(tl.int64) * n_src + i) * M * H + hm_off) * 2
             tl.store(sa_ptr + sa_off, sc, mask=shmask)
             tl.store(sa_ptr + sa_off + 1, a, mask=shmask)
@@ -383,17 +502,30 @@ def _route_bwd_stats(
             yacc += ar * v
             if ADDITIVE:
                 racc += alpha * v
+            if DT > 0:
+                xacc_t += (ar * a) * v_t
+                yacc_t += ar * v_t
+                if ADDITIVE:
+                    racc_t += alpha * v_t
         if HAS_DLSE:  # d lse_h enters every score like a constant shift of its D
             dsum -= tl.load(dlse_ptr + sh_off, mask=shmask, other=0.0)
         tl.store(dsum_ptr + sh_off, dsum, mask=shmask)
         dw_acc += tl.reduce(xacc - dsum * yacc, 1, _ADD, keep_dims=True)
         if ADDITIVE:
             dgate_acc += tl.reduce(tl.reduce(dout * racc, 0, _ADD, keep_dims=True), 1, _ADD, keep_dims=True)
+        if DT > 0:
+            dw_acc_t += tl.reduce(xacc_t - dsum * yacc_t, 1, _ADD, keep_dims=True)
+            if ADDITIVE:
+                dgate_acc_t += tl.reduce(tl.reduce(dout_t * racc_t, 0, _ADD, keep_dims=True), 1, _ADD, keep_dims=True)
     # partial row of (site, this program's share): [progs_per_group, n_sites, d], summed by the host
     part = tl.cast(pid // n_groups, tl.int64) * n_sites + s_i
     tl.store(dw_ptr + part * D + col, dw_acc, mask=smask & cmask)
+    if DT > 0:
+        tl.store(dw_ptr + part * D + col_t, dw_acc_t, mask=smask & (h_i < H))
     if ADDITIVE:
         tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col, dgate_acc, mask=cmask)
+        if DT > 0:
+            tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col_t, dgate_acc_t, mask=h_i < H)
 
 
 def _route_bwd_sources(
@@ -404,7 +536,7 @@ def _route_bwd_sources(
     gate_ptr,
     dsrc_ptr, rstd_ptr,
     M, eps,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr,
     BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, ADDITIVE: tl.constexpr, HAS_RSTD: tl.constexpr,
 ):
     # Site-loop backward, pass two: one program per (token tile, source), the source varying
@@ -425,23 +557,39 @@ def _route_bwd_sources(
     hmask = (rows < M) & (h_i < H)
     off = tl.multiple_of(tl.load(src_offs + i), ALIGN)
     v = tl.load(src_base + off + x_off, mask=xmask, other=0.0).to(tl.float32)  # [1, BM, BH, BDH]
+    if DT > 0:  # lane tensors have twins ``*_t`` over each head's last DT channels (see _route_fwd)
+        col_t = h_i * DH + BDH + tl.arange(0, DT)[None, None, None, :]  # [1, 1, BH, DT]
+        x_off_t = rows * D + col_t
+        v_t = tl.load(src_base + off + x_off_t, mask=hmask, other=0.0).to(tl.float32)  # [1, BM, BH, DT]
+        dv_t = tl.full([1, BM, BH, DT], 0.0, tl.float32)
     if HAS_RSTD:
         rstd = tl.load(rstd_ptr + tl.cast(i, tl.int64) * M + rows, mask=rows < M, other=1.0)  # [1, BM, 1, 1]
     else:
         sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+        if DT > 0:
+            sq += tl.reduce(tl.reduce(v_t * v_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
         rstd = 1.0 / tl.sqrt(sq / D + eps)  # [1, BM, 1, 1]
     dv = tl.full([1, BM, BH, BDH], 0.0, tl.float32)
     t = tl.full([1, BM, BH, 1], 0.0, tl.float32)
     g_off = tl.multiple_of(tl.load(g_offs), G_ALIGN)
     dr_next = tl.load(g_base + g_off + x_off, mask=xmask, other=0.0)
+    if DT > 0:
+        dr_next_t = tl.load(g_base + g_off + x_off_t, mask=hmask, other=0.0)
     if ADDITIVE:  # one site: dr = gate * dout
         gate = tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        if DT > 0:
+            gate_t = tl.load(gate_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32)
     for s in range(n_sites):
         dr = dr_next.to(tl.float32)
         if ADDITIVE:
             dr = dr * gate
         g_off = tl.multiple_of(tl.load(g_offs + s + 1), G_ALIGN)
         dr_next = tl.load(g_base + g_off + x_off, mask=(rows < tl.where(s + 1 < n_sites, M, 0)) & cmask, other=0.0)
+        if DT > 0:
+            dr_t = dr_next_t.to(tl.float32)
+            if ADDITIVE:
+                dr_t = dr_t * gate_t
+            dr_next_t = tl.load(g_base + g_off + x_off_t, mask=(rows < tl.where(s + 1 < n_sites, M, 0)) & (h_i < H), other=0.0)
         w = tl.load(w_ptr + s * D + col, mask=cmask, other=0.0)  # [1, 1, BH, BDH]
         sh_off = tl.cast(s, tl.int64) * M * H + hm_off
         sa_off = ((tl.cast(s, tl.int64) * n_src + i) * M * H + hm_off) * 2
@@ -449,10 +597,16 @@ def _route_bwd_sources(
         alpha = tl.exp(sc - tl.load(lse_ptr + sh_off, mask=hmask, other=0.0))
         ds = alpha * (tl.load(sa_ptr + sa_off + 1, mask=hmask, other=0.0) - tl.load(dsum_ptr + sh_off, mask=hmask, other=0.0))
         dv += alpha * dr + (rstd * ds) * w
+        if DT > 0:
+            w_t = tl.load(w_ptr + s * D + col_t, mask=h_i < H, other=0.0)  # [1, 1, BH, DT]
+            dv_t += alpha * dr_t + (rstd * ds) * w_t
         t += ds * sc
     t = tl.reduce(t, 2, _ADD, keep_dims=True)  # [1, BM, 1, 1]
     dv -= v * (rstd * rstd * t / D)
     tl.store(dsrc_ptr + tl.cast(i, tl.int64) * M * D + x_off, dv.to(dsrc_ptr.dtype.element_ty), mask=xmask)
+    if DT > 0:
+        dv_t -= v_t * (rstd * rstd * t / D)
+        tl.store(dsrc_ptr + tl.cast(i, tl.int64) * M * D + x_off_t, dv_t.to(dsrc_ptr.dtype.element_ty), mask=hmask)
 
 
 def _decode_route_norm(
@@ -676,9 +830,24 @@ def _geometry(d: int, heads: int) -> tuple[int, int, int]:
     return bh, bdh, bh * bdh
 
 
-def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple[int, int, int, int, int]:
-    """(BS, BM, num_warps, BH, BDH) for a launch; raises ValueError for an unsupported size."""
+def _lanes(d: int, heads: int) -> tuple[int, int, int, int]:
+    """(BH, BDH, DT, lanes per token) of the training kernels' register layout. A head width
+    ``d/heads`` that is a sum of two powers of two (96 = 64 + 32, 160 = 128 + 32) is held as two
+    tiles of BDH and DT lanes (``SPLIT_WIDTH``), else padded to a power of two (DT = 0). Raises
+    ValueError for too wide a d."""
     bh, bdh, bd = _geometry(d, heads)
+    dh = d // heads
+    if SPLIT_WIDTH and dh != bdh:
+        head, rest = bdh // 2, dh - bdh // 2
+        if rest & (rest - 1) == 0:  # rest < head, a power of two
+            return bh, head, rest, bh * dh
+    return bh, bdh, 0, bd
+
+
+def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple[int, int, int, int, int, int]:
+    """(BS, BM, num_warps, BH, BDH, DT) for a launch of a training kernel (:func:`_lanes`); raises
+    ValueError for an unsupported size."""
+    bh, bdh, dt, bd = _lanes(d, heads)
     bs = triton.next_power_of_2(n_sites)
     if bs * bd > MAX_TILE_ELEMENTS:
         raise ValueError(
@@ -692,15 +861,17 @@ def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple
         rows = max(1, TILE_ELEMENTS[kind] // (bs * bd))
     rows = 1 << (rows.bit_length() - 1)  # a power of two, rounded down
     if interpret:
-        return bs, rows, 4, bh, bdh
-    warps = WARPS.get(kind, max(4, min(16, bs * rows * bd // (32 * ELEMENTS_PER_THREAD[kind]))))
-    return bs, rows, warps, bh, bdh
+        return bs, rows, 4, bh, bdh, dt
+    # warps for about ELEMENTS_PER_THREAD elements each, rounded down to a power of two (split widths are not one)
+    warps = max(1, bs * rows * bd // (32 * ELEMENTS_PER_THREAD[kind]))
+    warps = WARPS.get(kind, max(4, min(16, 1 << (warps.bit_length() - 1))))
+    return bs, rows, warps, bh, bdh, dt
 
 
 def _group_sites(n_sites: int, most: int, d: int, heads: int) -> int:
     """Sites per program: the largest power of two <= ``most`` dividing ``n_sites`` (no padding
     sites) whose tile of one token per site fits ``MAX_TILE_ELEMENTS`` at width ``d`` (1 always fits)."""
-    most = min(most, max(1, MAX_TILE_ELEMENTS // _geometry(d, heads)[2]))
+    most = min(most, max(1, MAX_TILE_ELEMENTS // _lanes(d, heads)[3]))
     group = 1
     while group * 2 <= most and n_sites % (group * 2) == 0:
         group *= 2
@@ -759,7 +930,7 @@ def _forward(
     if n_sites < SITE_LOOP_MIN_SITES and n_sites > 1:  # the two-pass backward's limit on sites per pass, checked before any work
         _tile("bwd", n_sites, d, heads, interpret)
     group = _group_sites(n_sites, FWD_SITES, d, heads)
-    _, bm, warps, bh, bdh = _tile("fwd", group, d, heads, interpret)
+    _, bm, warps, bh, bdh, dt = _tile("fwd", group, d, heads, interpret)
     srcs = [_aligned(s) for s in sources]
     base = srcs[0] if srcs else _aligned(prior_out)
     w = (queries.float() * gains.float()).contiguous()
@@ -781,7 +952,7 @@ def _forward(
         _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
         scores if store_scores else dummy, rstd if store_rstd else dummy,
         M, eps,
-        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, BS=group, BM=bm, ALIGN=16 // base.element_size(),
+        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, DT=dt, BS=group, BM=bm, ALIGN=16 // base.element_size(),
         ADDITIVE=stream is not None, HAS_PRIOR=prior_out is not None, STORE_SCORES=store_scores, STORE_RSTD=store_rstd,
         num_warps=warps,
     )
@@ -816,7 +987,7 @@ def _backward(
     interpret = device.type != "cuda"
     if _uses_site_loop(n_sites, n_src, prior_out is not None):
         return _backward_site_loop(sources, queries, gains, heads, eps, gate, lse, grad_outs, grad_lse, rstd)
-    bs, bm, warps, bh, bdh = _tile("bwd", n_sites, d, heads, interpret)
+    bs, bm, warps, bh, bdh, dt = _tile("bwd", n_sites, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
     srcs = [_aligned(s) for s in sources]
     base = srcs[0] if srcs else _aligned(prior_out)
@@ -829,7 +1000,7 @@ def _backward(
     dprior_lse = _new(prior_lse.shape if prior_lse is not None else (0,), torch.float32, device)
     dummy = w
     flags = dict(
-        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, BS=bs, BM=bm,
+        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, DT=dt, BS=bs, BM=bm,
         ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(),
         ADDITIVE=gate is not None, HAS_PRIOR=prior_out is not None, HAS_DLSE=grad_lse is not None,
         num_warps=warps,
@@ -892,8 +1063,8 @@ def _backward_site_loop(
     interpret = device.type != "cuda"
     group = _group_sites(n_sites, STATS_SITES, d, heads)
     n_groups = n_sites // group
-    _, bm, warps, bh, bdh = _tile("bwd_stats", group, d, heads, interpret)
-    _, bm_src, warps_src, _, _ = _tile("bwd_sources", 1, d, heads, interpret)
+    _, bm, warps, bh, bdh, dt = _tile("bwd_stats", group, d, heads, interpret)
+    _, bm_src, warps_src, _, _, _ = _tile("bwd_sources", 1, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
     srcs = [_aligned(s) for s in sources]
     base = srcs[0]
@@ -906,7 +1077,7 @@ def _backward_site_loop(
     score_a = _new((n_sites, n_src, *lse.shape[1:], 2), torch.float32, device)  # s_i and <dr, v_i>_h per site and source
     dsrc = _new((n_src, *shape), like.dtype, device)
     gate_c = gate.contiguous() if gate is not None else w
-    geometry = dict(D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size())
+    geometry = dict(D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, DT=dt, ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size())
     lse = lse.contiguous()
     has_rstd = rstd is not None and rstd.numel() > 0
     if has_rstd and tuple(rstd.shape) != (n_src, M):

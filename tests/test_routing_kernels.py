@@ -187,6 +187,25 @@ def test_two_phase_block_routing_equals_plain_routing_full_grid(n_completed, sit
     assert max(out_errs) < TOL[dtype] and max(grad_errs) < TOL[dtype], (out_errs, grad_errs)
 
 
+@pytest.mark.parametrize("d,heads", [(96, 8), (160, 8), (48, 1), (24, 8)], ids=["d96-H8", "d160-H8", "d48-H1", "d24-H8"])
+def test_split_head_widths_match_float64_reference_and_padded_layout(monkeypatch, d, heads):
+    """A head width d/H that is a sum of two powers of two (12 = 8 + 4, 20 = 16 + 4, 48 = 32 + 16,
+    3 = 2 + 1; at full size 96 = 64 + 32 and 160 = 128 + 32) runs as two tiles per head
+    (``SPLIT_WIDTH``), and with it off as one padded tile: both layouts' outputs and every gradient
+    against float64, through the two-pass backward (additive), the site loop (9 sources), phase one
+    with its merges (two-phase block routing)."""
+    bh, bdh, dt, lanes = tr._lanes(d, heads)
+    assert dt > 0 and bdh + dt == d // heads and lanes == bh * (d // heads)
+    for split in (True, False):
+        monkeypatch.setattr(tr, "SPLIT_WIDTH", split)
+        assert (tr._tile("fwd", 1, d, heads, True)[5] > 0) == split
+        with use_backend("triton"):
+            check_route(2, heads, d, 37, torch.bfloat16, True)
+            check_route(9, heads, d, 37, torch.float32, False)
+        out_errs, grad_errs = two_phase_vs_plain(3, 3, heads, d, 37, torch.float32, split)
+        assert max(out_errs) < TOL[torch.float32] and max(grad_errs) < TOL[torch.float32], (split, out_errs, grad_errs)
+
+
 @pytest.mark.parametrize("fwd_sites", [1, 4, 8])
 @pytest.mark.parametrize("stats_sites", [1, 2, 8])
 def test_site_groups_match_float64_reference(monkeypatch, fwd_sites, stats_sites):
