@@ -71,6 +71,9 @@ KNOBS = {
     "occ-stats": {(TR, "OCCUPANCY_GRIDS"): frozenset({"bwd", "bwd_stats"})},  # site loop's pass one sized too
     "pad": {(TR, "SPLIT_WIDTH"): False},  # head widths padded to a power of two, not split in two tiles
     "bwd8w": {(TR, "WARPS", "bwd"): 8},  # the two-pass backward on 8 warps whatever its tile
+    "pf2": {(TR, "PREFETCH", k): 2 for k in ("fwd", "bwd", "bwd_stats")},  # two sources in flight per program
+    "pf2-fwd": {(TR, "PREFETCH", "fwd"): 2},
+    "pf2-stats": {(TR, "PREFETCH", "bwd_stats"): 2},
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "mfu_measured",
           "peak_mem_GiB", "mem_ratio_vs_prenorm", "loss", "compile_s", "matmul_TFLOPs", "status", "note"]

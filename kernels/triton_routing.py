@@ -119,6 +119,9 @@ SAVE_RSTD = True
 # next power of two (128, 256): a third and three eighths of the lanes at those widths did no work.
 # A benchmark knob (False pads).
 SPLIT_WIDTH = True
+# Sources in flight per program in the loops over sources (1 or 2), by launch kind: the loop loads
+# source i + PREFETCH while it works on source i. A benchmark knob.
+PREFETCH = {"fwd": 1, "bwd": 1, "bwd_stats": 1}
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -142,7 +145,7 @@ def _route_fwd(
     prior_ptr, prior_lse_ptr,
     scores_ptr, rstd_ptr,
     M, eps,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr, PF: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, STORE_SCORES: tl.constexpr, STORE_RSTD: tl.constexpr,
 ):
@@ -184,21 +187,34 @@ def _route_fwd(
         if DT > 0:
             acc_t = tl.full([BS, BM, BH, DT], 0.0, tl.float32)
 
-    # Sources are loaded one iteration ahead so that two tiles are in flight per program
-    # (the offset table has one spare entry; a load past the last source is masked off by rows).
+    # Sources are loaded PF iterations ahead (PREFETCH), so that PF + 1 tiles are in flight per
+    # program (the offset table has spare entries; a load past the last source is masked off by rows).
     off = tl.multiple_of(tl.load(src_offs), ALIGN)
     v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
     if DT > 0:
         v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 0, M, 0)) & (h_i < H), other=0.0)
+    if PF == 2:  # a second source in flight
+        off = tl.multiple_of(tl.load(src_offs + 1), ALIGN)
+        v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 1, M, 0)) & cmask, other=0.0)
+        if DT > 0:
+            v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 1, M, 0)) & (h_i < H), other=0.0)
     for i in range(n_src):
         v = v_next.to(tl.float32)  # [1, BM, BH, BDH]
-        off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
-        v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
+        off = tl.multiple_of(tl.load(src_offs + i + PF), ALIGN)
+        if PF == 2:
+            v_next = v_next2
+            v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & cmask, other=0.0)
+        else:
+            v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
         sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)  # [1, BM, 1, 1]
         s = tl.reduce(w * v, 3, _ADD, keep_dims=True)  # [BS, BM, BH, 1]
         if DT > 0:
             v_t = v_next_t.to(tl.float32)  # [1, BM, BH, DT]
-            v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
+            if PF == 2:
+                v_next_t = v_next2_t
+                v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & (h_i < H), other=0.0)
+            else:
+                v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
             sq += tl.reduce(tl.reduce(v_t * v_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
             s += tl.reduce(w_t * v_t, 3, _ADD, keep_dims=True)
         rstd = 1.0 / tl.sqrt(sq / D + eps)
@@ -244,7 +260,7 @@ def _route_bwd(
     prior_ptr, prior_lse_ptr,
     dsrc_ptr, dw_ptr, dgate_ptr, dprior_ptr, dprior_lse_ptr,
     M, eps, num_tiles,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr, PF: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
@@ -320,16 +336,29 @@ def _route_bwd(
         v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
         if DT > 0:
             v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 0, M, 0)) & (h_i < H), other=0.0)
+        if PF == 2:  # a second source in flight
+            off = tl.multiple_of(tl.load(src_offs + 1), ALIGN)
+            v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 1, M, 0)) & cmask, other=0.0)
+            if DT > 0:
+                v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 1, M, 0)) & (h_i < H), other=0.0)
         for i in range(n_src):
             v = v_next.to(tl.float32)
-            off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
-            v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
+            off = tl.multiple_of(tl.load(src_offs + i + PF), ALIGN)
+            if PF == 2:
+                v_next = v_next2
+                v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & cmask, other=0.0)
+            else:
+                v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
             sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
             sc = tl.reduce(w * v, 3, _ADD, keep_dims=True)
             a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
             if DT > 0:
                 v_t = v_next_t.to(tl.float32)
-                v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
+                if PF == 2:
+                    v_next_t = v_next2_t
+                    v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & (h_i < H), other=0.0)
+                else:
+                    v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
                 sq += tl.reduce(tl.reduce(v_t * v_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
                 sc += tl.reduce(w_t * v_t, 3, _ADD, keep_dims=True)
                 a += tl.reduce(dr_t * v_t, 3, _ADD, keep_dims=True)
@@ -357,16 +386,29 @@ def _route_bwd(
         v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
         if DT > 0:
             v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 0, M, 0)) & (h_i < H), other=0.0)
+        if PF == 2:  # a second source in flight
+            off = tl.multiple_of(tl.load(src_offs + 1), ALIGN)
+            v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 1, M, 0)) & cmask, other=0.0)
+            if DT > 0:
+                v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 1, M, 0)) & (h_i < H), other=0.0)
         for i in range(n_src):
             v = v_next.to(tl.float32)
-            off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
-            v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
+            off = tl.multiple_of(tl.load(src_offs + i + PF), ALIGN)
+            if PF == 2:
+                v_next = v_next2
+                v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & cmask, other=0.0)
+            else:
+                v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
             sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
             sc = tl.reduce(w * v, 3, _ADD, keep_dims=True)
             a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
             if DT > 0:
                 v_t = v_next_t.to(tl.float32)
-                v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
+                if PF == 2:
+                    v_next_t = v_next2_t
+                    v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & (h_i < H), other=0.0)
+                else:
+                    v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
                 sq += tl.reduce(tl.reduce(v_t * v_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
                 sc += tl.reduce(w_t * v_t, 3, _ADD, keep_dims=True)
                 a += tl.reduce(dr_t * v_t, 3, _ADD, keep_dims=True)
@@ -404,7 +446,7 @@ def _route_bwd_stats(
     gate_ptr, dgate_ptr,
     dsum_ptr, dw_ptr, sa_ptr, rstd_ptr,
     M, eps, num_tiles, progs_per_group,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr, PF: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_RSTD: tl.constexpr,
 ):
@@ -473,15 +515,28 @@ def _route_bwd_stats(
         v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
         if DT > 0:
             v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 0, M, 0)) & (h_i < H), other=0.0)
+        if PF == 2:  # a second source in flight
+            off = tl.multiple_of(tl.load(src_offs + 1), ALIGN)
+            v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 1, M, 0)) & cmask, other=0.0)
+            if DT > 0:
+                v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 1, M, 0)) & (h_i < H), other=0.0)
         for i in range(n_src):
             v = v_next.to(tl.float32)  # [1, BM, BH, BDH]
-            off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)
-            v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
+            off = tl.multiple_of(tl.load(src_offs + i + PF), ALIGN)
+            if PF == 2:
+                v_next = v_next2
+                v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & cmask, other=0.0)
+            else:
+                v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
             sc = tl.reduce(w * v, 3, _ADD, keep_dims=True)  # [BS, BM, BH, 1]
             a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
             if DT > 0:
                 v_t = v_next_t.to(tl.float32)  # [1, BM, BH, DT]
-                v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
+                if PF == 2:
+                    v_next_t = v_next2_t
+                    v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & (h_i < H), other=0.0)
+                else:
+                    v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
                 sc += tl.reduce(w_t * v_t, 3, _ADD, keep_dims=True)
                 a += tl.reduce(dr_t * v_t, 3, _ADD, keep_dims=True)
             if HAS_RSTD:  # saved by the forward: no reduction over the width (across warps) here
@@ -891,9 +946,9 @@ def _aligned(t: Tensor) -> Tensor:
 
 def _offsets(tensors: Sequence[Tensor], base: Tensor) -> Tensor:
     """int64 element offsets of ``tensors`` from ``base`` (same dtype, 16-byte aligned), on its device,
-    plus one spare 0 so that the kernels can read the next entry unconditionally."""
+    plus two spare 0s so that the kernels can read the entries ``PREFETCH`` ahead unconditionally."""
     size, start = base.element_size(), base.data_ptr()
-    offs = tuple((t.data_ptr() - start) // size for t in tensors) + (0,)
+    offs = tuple((t.data_ptr() - start) // size for t in tensors) + (0, 0)
     if base.device.type != "cuda":
         return torch.tensor(offs, dtype=torch.int64)
     # Training allocates the same buffers at the same addresses step after step, so a table is
@@ -952,7 +1007,7 @@ def _forward(
         _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
         scores if store_scores else dummy, rstd if store_rstd else dummy,
         M, eps,
-        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, DT=dt, BS=group, BM=bm, ALIGN=16 // base.element_size(),
+        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, DT=dt, PF=PREFETCH["fwd"], BS=group, BM=bm, ALIGN=16 // base.element_size(),
         ADDITIVE=stream is not None, HAS_PRIOR=prior_out is not None, STORE_SCORES=store_scores, STORE_RSTD=store_rstd,
         num_warps=warps,
     )
@@ -1000,7 +1055,7 @@ def _backward(
     dprior_lse = _new(prior_lse.shape if prior_lse is not None else (0,), torch.float32, device)
     dummy = w
     flags = dict(
-        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, DT=dt, BS=bs, BM=bm,
+        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, DT=dt, PF=PREFETCH["bwd"], BS=bs, BM=bm,
         ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(),
         ADDITIVE=gate is not None, HAS_PRIOR=prior_out is not None, HAS_DLSE=grad_lse is not None,
         num_warps=warps,
@@ -1083,7 +1138,7 @@ def _backward_site_loop(
     if has_rstd and tuple(rstd.shape) != (n_src, M):
         raise ValueError(f"triton depth routing: saved rstd has shape {tuple(rstd.shape)}, expected {(n_src, M)}")
     rstd = rstd.contiguous() if has_rstd else w
-    flags = dict(**geometry, BS=group, BM=bm, HAS_DLSE=grad_lse is not None, ADDITIVE=gate is not None, HAS_RSTD=has_rstd, num_warps=warps)
+    flags = dict(**geometry, PF=PREFETCH["bwd_stats"], BS=group, BM=bm, HAS_DLSE=grad_lse is not None, ADDITIVE=gate is not None, HAS_RSTD=has_rstd, num_warps=warps)
 
     def stats_args(dw: Tensor, dgate: Tensor, per_group: int) -> tuple:
         return (

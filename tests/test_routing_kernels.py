@@ -206,6 +206,22 @@ def test_split_head_widths_match_float64_reference_and_padded_layout(monkeypatch
         assert max(out_errs) < TOL[torch.float32] and max(grad_errs) < TOL[torch.float32], (split, out_errs, grad_errs)
 
 
+def test_two_sources_in_flight_match_float64_reference(monkeypatch):
+    """``PREFETCH`` = 2 (each loop over sources loads source i + 2 while working on i) in every
+    loop that has it: one, two and nine sources (the loads ahead past the end masked off), split
+    and power-of-two head widths, both forms, phase one with its merges, against float64."""
+    monkeypatch.setitem(tr.PREFETCH, "fwd", 2)
+    monkeypatch.setitem(tr.PREFETCH, "bwd", 2)
+    monkeypatch.setitem(tr.PREFETCH, "bwd_stats", 2)
+    with use_backend("triton"):
+        check_route(1, 2, 96, 37, torch.bfloat16, True)
+        check_route(2, 8, 96, 37, torch.float32, False)
+        check_route(9, 4, 64, 37, torch.bfloat16, True)
+        check_route(9, 8, 64, 37, torch.float32, False)
+    out_errs, grad_errs = two_phase_vs_plain(3, 3, 8, 96, 37, torch.float32, False)
+    assert max(out_errs) < TOL[torch.float32] and max(grad_errs) < TOL[torch.float32], (out_errs, grad_errs)
+
+
 @pytest.mark.parametrize("fwd_sites", [1, 4, 8])
 @pytest.mark.parametrize("stats_sites", [1, 2, 8])
 def test_site_groups_match_float64_reference(monkeypatch, fwd_sites, stats_sites):
