@@ -433,14 +433,14 @@ def test_persistent_grids_sized_by_occupancy_match_the_fixed_grids(monkeypatch):
 @pytest.mark.gpu
 def test_offset_tables_are_reused_and_correct():
     """A source layout seen before gets the same device table back (no copy per call); the table
-    holds each tensor's element offset from the base, then the spare 0."""
+    holds each tensor's element offset from the base, then the two spare 0s."""
     buf = torch.empty(4, 8, 16, device=DEVICE, dtype=torch.bfloat16)
     parts = [buf[i] for i in (0, 2, 3)]
     first = tr._offsets(parts, buf[0])
     assert tr._offsets(parts, buf[0]) is first
-    assert first.tolist() == [0, 256, 384, 0]
+    assert first.tolist() == [0, 256, 384, 0, 0]
     other = tr._offsets([buf[1]], buf[0])
-    assert other is not first and other.tolist() == [128, 0]
+    assert other is not first and other.tolist() == [128, 0, 0]
 
 
 def tiny_model(residual, heads, block_size, n_layer=3):
