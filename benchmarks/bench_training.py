@@ -74,6 +74,8 @@ KNOBS = {
     "pf2": {(TR, "PREFETCH", k): 2 for k in ("fwd", "bwd", "bwd_stats")},  # two sources in flight per program
     "pf2-fwd": {(TR, "PREFETCH", "fwd"): 2},
     "pf2-stats": {(TR, "PREFETCH", "bwd_stats"): 2},
+    "src-rstd-all": {(TR, "SPLIT_SOURCES_RSTD_HEADS"): 1 << 30},  # pass two loads the saved key rstd at split widths whatever H
+    "src-rstd0": {(TR, "SPLIT_SOURCES_RSTD_HEADS"): 0},  # pass two recomputes the key rstd at split widths
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "mfu_measured",
           "peak_mem_GiB", "mem_ratio_vs_prenorm", "loss", "compile_s", "matmul_TFLOPs", "status", "note"]

@@ -119,6 +119,13 @@ SAVE_RSTD = True
 # next power of two (128, 256): a third and three eighths of the lanes at those widths did no work.
 # A benchmark knob (False pads).
 SPLIT_WIDTH = True
+# At split head widths, pass two of the site loop loads the saved key rstd only with at most this
+# many heads, else it reduces each source tile over the width again (pass one loads it either way).
+# Measured on an H200 at 1b (d = 1280, 32768 tokens, 9 sources, one site; benchmarks/profile_op.py):
+# pass two took 6.41 / 6.29 ms loading it against 0.70 / 0.69 recomputing with H = 8 / 4, and
+# 0.51 / 0.47 against 0.66 / 0.62 ms with H = 2 / 1 (why loading is slow with H >= 4 is not known).
+# A benchmark knob.
+SPLIT_SOURCES_RSTD_HEADS = 2
 # Sources in flight per program in the loops over sources (1 or 2), by launch kind: the loop loads
 # source i + PREFETCH while it works on source i. A benchmark knob.
 PREFETCH = {"fwd": 1, "bwd": 1, "bwd_stats": 1}
@@ -1161,7 +1168,8 @@ def _backward_site_loop(
         base, src_offs, n_src, w, n_sites, grads[0], g_offs,
         lse, dsum, score_a, gate_c, dsrc, rstd,
         M, eps,
-        **geometry, BM=bm_src, ADDITIVE=gate is not None, HAS_RSTD=has_rstd, num_warps=warps_src,
+        **geometry, BM=bm_src, ADDITIVE=gate is not None, HAS_RSTD=has_rstd and (dt == 0 or heads <= SPLIT_SOURCES_RSTD_HEADS),
+        num_warps=warps_src,
     )
     dw = dw.view(per_group, n_sites, d).sum(0)  # fixed-order reduction over programs: deterministic
     q, g = queries.float(), gains.float()

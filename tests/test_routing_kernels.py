@@ -192,12 +192,15 @@ def test_split_head_widths_match_float64_reference_and_padded_layout(monkeypatch
     """A head width d/H that is a sum of two powers of two (12 = 8 + 4, 20 = 16 + 4, 48 = 32 + 16,
     3 = 2 + 1; at full size 96 = 64 + 32 and 160 = 128 + 32) runs as two tiles per head
     (``SPLIT_WIDTH``), and with it off as one padded tile: both layouts' outputs and every gradient
-    against float64, through the two-pass backward (additive), the site loop (9 sources), phase one
-    with its merges (two-phase block routing)."""
+    against float64, through the two-pass backward (additive), the site loop (9 sources; its pass
+    two loading the saved key rstd and recomputing it), phase one with its merges (two-phase block
+    routing)."""
     bh, bdh, dt, lanes = tr._lanes(d, heads)
     assert dt > 0 and bdh + dt == d // heads and lanes == bh * (d // heads)
-    for split in (True, False):
+    # pass two of the site loop loads the saved key rstd (a first run) or recomputes it (the second)
+    for split, rstd_heads in ((True, heads), (True, heads - 1), (False, 0)):
         monkeypatch.setattr(tr, "SPLIT_WIDTH", split)
+        monkeypatch.setattr(tr, "SPLIT_SOURCES_RSTD_HEADS", rstd_heads)
         assert (tr._tile("fwd", 1, d, heads, True)[5] > 0) == split
         with use_backend("triton"):
             check_route(2, heads, d, 37, torch.bfloat16, True)
