@@ -123,8 +123,10 @@ SPLIT_WIDTH = True
 # many heads, else it reduces each source tile over the width again (pass one loads it either way).
 # Measured on an H200 at 1b (d = 1280, 32768 tokens, 9 sources, one site; benchmarks/profile_op.py):
 # pass two took 6.41 / 6.29 ms loading it against 0.70 / 0.69 recomputing with H = 8 / 4, and
-# 0.51 / 0.47 against 0.66 / 0.62 ms with H = 2 / 1 (why loading is slow with H >= 4 is not known).
-# A benchmark knob.
+# 0.51 / 0.47 against 0.66 / 0.62 ms with H = 2 / 1. Compiled for sm_90 offline, the slow case is
+# Triton's specialisation of the kernel for one site (n_sites == 1, the loop over sites gone): with
+# the saved rstd and H >= 4 it converts its tiles' layout through shared memory (320 128-bit
+# stores, 19 barriers), which neither H <= 2 nor several sites do. A benchmark knob.
 SPLIT_SOURCES_RSTD_HEADS = 2
 # Sources in flight per program in the loops over sources (1 or 2), by launch kind: the loop loads
 # source i + PREFETCH while it works on source i. A benchmark knob.
