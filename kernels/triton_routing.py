@@ -40,6 +40,11 @@ program per (site, range of tiles) and also stores every ``s_i`` and ``<dr, v_i>
 loop. Eager calls run the autograd through :class:`_RouteFunction`; ``torch.compile`` sees the
 custom ops.
 
+Each token's width is held in registers as ``[heads, lanes]`` tiles; a head width that is a sum
+of two powers of two (160 = 128 + 32 at 1b) is held as two tiles per head (``SPLIT_WIDTH``: every
+lane tensor has a twin ``*_t`` over the head's last channels, and sums over a head add the two)
+rather than one padded to the next power of two.
+
 Decoding (no backward) has its own kernel, :func:`route_norm_decode`: one program per token loops
 over the slots of one ``[slots, tokens, d]`` buffer in tiles of a few slots (all loads of a tile in
 flight at once), adds the newest sublayer output into its slot, routes (online softmax per head)
@@ -114,10 +119,11 @@ EAGER_FUNCTION = True
 # source, 7 -> 4 barriers per iteration at 350m shapes, by ptxas; in training at 350m on an H200
 # block MHAR 0.916 against 0.910 recomputing, full MHAR 0.677 against 0.660). A benchmark knob.
 SAVE_RSTD = True
-# Head widths d/H that are a sum of two powers of two (96 = 64 + 32 at 100m, 160 = 128 + 32 at 1b,
-# with H = 8) are held by the training kernels as two tiles per head instead of one padded to the
-# next power of two (128, 256): a third and three eighths of the lanes at those widths did no work.
-# A benchmark knob (False pads).
+# Head widths d/H that are a sum of two powers of two (96 = 64 + 32; 160 = 128 + 32 at 1b with
+# H = 8) are held by the training kernels as two tiles per head instead of one padded to the next
+# power of two (128, 256), where a quarter and three eighths of the lanes did no work. At 1b on an
+# H200: block MHAR 0.898 against 0.886 x prenorm padded, full MHAR 0.578 against 0.536
+# (BENCHMARKS.md, sixth set). A benchmark knob (False pads).
 SPLIT_WIDTH = True
 # At split head widths, pass two of the site loop loads the saved key rstd only with at most this
 # many heads, else it reduces each source tile over the width again (pass one loads it either way).
