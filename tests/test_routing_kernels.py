@@ -205,8 +205,9 @@ def test_split_head_widths_match_float64_reference_and_padded_layout(monkeypatch
         with use_backend("triton"):
             check_route(2, heads, d, 37, torch.bfloat16, True)
             check_route(9, heads, d, 37, torch.float32, False)
-        out_errs, grad_errs = two_phase_vs_plain(3, 3, heads, d, 37, torch.float32, split)
-        assert max(out_errs) < TOL[torch.float32] and max(grad_errs) < TOL[torch.float32], (split, out_errs, grad_errs)
+        for additive in (False, True):
+            out_errs, grad_errs = two_phase_vs_plain(3, 3, heads, d, 37, torch.float32, additive)
+            assert max(out_errs) < TOL[torch.float32] and max(grad_errs) < TOL[torch.float32], (split, additive, out_errs, grad_errs)
 
 
 def test_two_sources_in_flight_match_float64_reference(monkeypatch):
@@ -219,7 +220,7 @@ def test_two_sources_in_flight_match_float64_reference(monkeypatch):
     with use_backend("triton"):
         check_route(1, 2, 96, 37, torch.bfloat16, True)
         check_route(2, 8, 96, 37, torch.float32, False)
-        check_route(9, 4, 64, 37, torch.bfloat16, True)
+        check_route(9, 4, 96, 37, torch.bfloat16, True)
         check_route(9, 8, 64, 37, torch.float32, False)
     out_errs, grad_errs = two_phase_vs_plain(3, 3, 8, 96, 37, torch.float32, False)
     assert max(out_errs) < TOL[torch.float32] and max(grad_errs) < TOL[torch.float32], (out_errs, grad_errs)
