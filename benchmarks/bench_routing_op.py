@@ -127,14 +127,24 @@ def rel_list(xs, refs) -> float:
     return math.sqrt(num / den)
 
 
+def op_inputs(scale: str, n: int, heads: int, device: str = DEVICE) -> tuple[list, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sources, query, gain, dout)`` of one routing site at ``scale``'s width and tokens per step:
+    ``n`` bf16 sources ``[tokens, d]`` (scaled 0.5 / 1.5 / 2.5 in turn) with gradients, a query and
+    gain ``[d]`` float32 with gradients, and an output gradient ``[tokens, d]`` bf16; seeded."""
+    d, _, (batch, seq) = SCALES[scale]
+    M = batch * seq
+    gen = torch.Generator(device=device).manual_seed(0)
+    sources = [(torch.randn(M, d, device=device, generator=gen) * (0.5 + i % 3)).to(torch.bfloat16).requires_grad_() for i in range(n)]
+    q = (2.0 * (heads / d) ** 0.5 * torch.randn(d, device=device, generator=gen)).requires_grad_()
+    g = (1 + 0.3 * torch.randn(d, device=device, generator=gen)).requires_grad_()
+    dout = torch.randn(M, d, device=device, generator=gen).to(torch.bfloat16)
+    return sources, q, g, dout
+
+
 def bench_shape(scale, n, heads, variants, copy_gbps, writer, fh):
     d, _, (batch, seq) = SCALES[scale]
     M = batch * seq
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    sources = [(torch.randn(M, d, device=DEVICE, generator=gen) * (0.5 + i % 3)).to(torch.bfloat16).requires_grad_() for i in range(n)]
-    q = (2.0 * (heads / d) ** 0.5 * torch.randn(d, device=DEVICE, generator=gen)).requires_grad_()
-    g = (1 + 0.3 * torch.randn(d, device=DEVICE, generator=gen)).requires_grad_()
-    dout = torch.randn(M, d, device=DEVICE, generator=gen).to(torch.bfloat16)
+    sources, q, g, dout = op_inputs(scale, n, heads)
     ref_out, ref_dsrc, ref_dq, ref_dg = reference_grads(sources, q, g, heads, dout)
     inputs = sources + [q, g]
     esize = 2

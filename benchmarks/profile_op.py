@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_routing_op import SCALES  # noqa: E402
+from bench_routing_op import SCALES, op_inputs  # noqa: E402
 from bench_training import KNOBS, knobs  # noqa: E402
 
 from lit_mhar.kernels import triton_routing  # noqa: E402
@@ -25,13 +25,7 @@ from lit_mhar.kernels import triton_routing  # noqa: E402
 
 def profile(scale: str, n: int, heads: int, iters: int) -> dict[str, float]:
     """GPU ms per forward + backward pass of each kernel name."""
-    d, _, (batch, seq) = SCALES[scale]
-    M = batch * seq
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    sources = [(torch.randn(M, d, device="cuda", generator=gen) * (0.5 + i % 3)).to(torch.bfloat16).requires_grad_() for i in range(n)]
-    q = (2.0 * (heads / d) ** 0.5 * torch.randn(d, device="cuda", generator=gen)).requires_grad_()
-    g = (1 + 0.3 * torch.randn(d, device="cuda", generator=gen)).requires_grad_()
-    dout = torch.randn(M, d, device="cuda", generator=gen).to(torch.bfloat16)
+    sources, q, g, dout = op_inputs(scale, n, heads, "cuda")
     inputs = [*sources, q, g]
 
     def step():
