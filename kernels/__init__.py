@@ -1,6 +1,7 @@
 """Depth-routing kernels and their dispatcher.
 
-``depth_route`` (and the two phases of Block AttnRes, ``route_sites`` and ``merge_route``;
+``depth_route`` (and the two phases of Block AttnRes, ``route_sites`` and ``merge_route``, or
+``merge_route_norm``, the second phase fused with the next RMSNorm;
 ``route_norm_decode``, decoding's routing fused with the next RMSNorm, and ``route_sites_decode``,
 the phase one of a group of decoding sites) run the fused Triton kernels
 for CUDA tensors and the plain PyTorch reference otherwise. ``use_backend``
@@ -80,6 +81,13 @@ def merge_route(sources, query, gain, heads, prior_out, prior_lse, stream=None, 
     return _impl(prior_out).merge_route(sources, query, gain, heads, prior_out, prior_lse, stream, gate, eps)
 
 
+def merge_route_norm(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps=1e-6):
+    """Dispatching second phase fused with the next RMSNorm (training); see :func:`lit_mhar.kernels.reference.merge_route_norm`."""
+    return _impl(prior_out, "merge_route_norm: prior_out").merge_route_norm(
+        sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps
+    )
+
+
 def route_norm_decode(
     history, n_sources, pending, accumulate, query, gain, heads, norm_weight, norm_eps, stream=None, gate=None, eps=1e-6,
     prior_out=None, prior_lse=None, n_prior=0,
@@ -100,6 +108,7 @@ __all__ = [
     "depth_route",
     "route_sites",
     "merge_route",
+    "merge_route_norm",
     "route_norm_decode",
     "route_sites_decode",
     "reference_depth_route",

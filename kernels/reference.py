@@ -182,8 +182,77 @@ def merge_route(
     return out
 
 
-def _route_with_prior(sources, query, gain, heads, prior, additive, eps):
-    """Routed output and the scores ``[N(+1), ..., H]``; the prior, if any, is score row 0."""
+def check_merge_norm_args(
+    sources: Sequence[Tensor], query: Tensor, gain: Tensor, heads: int, prior_out: Tensor, prior_lse: Tensor,
+    norm_weight: Tensor, norm_eps: float, eps: float,
+) -> None:
+    """Validate :func:`merge_route_norm`'s arguments before any work; raise ValueError naming the bad one."""
+    if not isinstance(prior_out, Tensor) or prior_out.dim() < 1 or not prior_out.is_floating_point():
+        raise ValueError(f"merge_route_norm: prior_out must be a floating [..., d] tensor, got {getattr(prior_out, 'shape', prior_out)!r}")
+    d = prior_out.shape[-1]
+    check_route_args(list(sources) or [prior_out], query, gain, heads, None, None)
+    if sources and sources[0].shape != prior_out.shape:
+        raise ValueError(f"merge_route_norm: prior_out has shape {tuple(prior_out.shape)}, the sources {tuple(sources[0].shape)}")
+    want = (*prior_out.shape[:-1], heads)
+    if not isinstance(prior_lse, Tensor) or tuple(prior_lse.shape) != want or prior_lse.device != prior_out.device:
+        raise ValueError(f"merge_route_norm: prior_lse must be a {want} tensor on {prior_out.device}, got {getattr(prior_lse, 'shape', prior_lse)!r}")
+    if not isinstance(norm_weight, Tensor) or tuple(norm_weight.shape) != (d,) or norm_weight.device != prior_out.device:
+        raise ValueError(f"merge_route_norm: norm_weight must be a ({d},) tensor on {prior_out.device}, got {getattr(norm_weight, 'shape', norm_weight)!r}")
+    if not norm_weight.is_floating_point():
+        raise ValueError(f"merge_route_norm: norm_weight has dtype {norm_weight.dtype}; expected a floating dtype")
+    for name, value in (("norm_eps", norm_eps), ("eps", eps)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise ValueError(f"merge_route_norm: {name}={value!r} must be a finite number >= 0")
+
+
+def merge_route_norm(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    gain: Tensor,
+    heads: int,
+    prior_out: Tensor,
+    prior_lse: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Second phase of the replacement form fused with the next sublayer's RMSNorm (training).
+
+    ``RMSNorm(r) * norm_weight`` with ``r`` as :func:`merge_route` routes it (no stream or gate:
+    AttnRes / MHAR, whose routed value is the sublayer's input), the norm over the whole width d:
+
+        y = r * norm_weight / sqrt(mean_c r[c]^2 + norm_eps)
+
+    ``r`` is kept in the arithmetic dtype (float32 for half-precision inputs) between the two, not
+    rounded; only ``y`` is. ``sources`` may be empty: then ``r = prior_out`` (the first site of a
+    group, whose phase one saw every source).
+
+    Args:
+        sources: N >= 0 tensors ``[..., d]`` added since phase one (one shape and device).
+        query, gain: ``[d]`` the site's pseudo-query and key-norm gain. heads: H dividing d.
+        prior_out: ``[..., d]`` phase one's routed value; prior_lse ``[..., H]`` its log-sum-exp.
+        norm_weight: ``[d]`` the RMSNorm's weight; norm_eps: its epsilon (>= 0).
+        eps: the key RMSNorm epsilon.
+
+    Returns:
+        ``y`` ``[..., d]`` in the dtype of ``prior_out`` promoted with the sources (not with
+        ``norm_weight``: under autocast the next linear layer rounds to that dtype anyway).
+
+    Raises:
+        ValueError: a shape, device, dtype, ``heads`` or epsilon that does not fit.
+    """
+    check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps)
+    routed, _ = _route_with_prior(sources, query, gain, heads, (prior_out, prior_lse), None, eps, round_out=False)
+    y = torch.nn.functional.rms_norm(routed, (routed.shape[-1],), norm_weight.to(routed.dtype), norm_eps)
+    dtype = prior_out.dtype
+    for s_ in sources:
+        dtype = torch.promote_types(dtype, s_.dtype)
+    return y.to(dtype)
+
+
+def _route_with_prior(sources, query, gain, heads, prior, additive, eps, round_out=True):
+    """Routed output and the scores ``[N(+1), ..., H]``; the prior, if any, is score row 0.
+    ``round_out=False`` returns the replacement form's output in the arithmetic dtype."""
     like = sources[0] if sources else prior[0]
     d = like.shape[-1]
     dtype = like.dtype
@@ -204,7 +273,7 @@ def _route_with_prior(sources, query, gain, heads, prior, additive, eps):
     if additive is not None and additive[0] is not None:
         stream, gate = additive
         return (stream.to(math_dtype) + gate.to(math_dtype) * routed).to(stream.dtype), scores
-    return routed.to(dtype), scores
+    return (routed.to(dtype) if round_out else routed), scores
 
 
 def check_decode_args(

@@ -69,7 +69,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lit_mhar.kernels.reference import check_decode_args, check_route_args, check_sites_decode_args
+from lit_mhar.kernels.reference import check_decode_args, check_merge_norm_args, check_route_args, check_sites_decode_args
 
 # Largest padded width (next power of two of d) one program keeps in registers.
 MAX_BLOCK_D = 16384
@@ -159,10 +159,11 @@ def _route_fwd(
     stream_ptr, gate_ptr,
     prior_ptr, prior_lse_ptr,
     scores_ptr, rstd_ptr,
-    M, eps,
+    nw_ptr,
+    M, eps, norm_eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr, PF: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr,
-    ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, STORE_SCORES: tl.constexpr, STORE_RSTD: tl.constexpr,
+    ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, STORE_SCORES: tl.constexpr, STORE_RSTD: tl.constexpr, NORM: tl.constexpr,
 ):
     # Every tensor is 4-D (site, token, head, lane) and every sum keeps its axis, so that all of
     # them share one register layout: no tile is ever shuffled through shared memory.
@@ -260,6 +261,14 @@ def _route_fwd(
             gate_t = tl.load(gate_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32)
             tl.store(out_base + x_off_t, (stream_t + gate_t * routed_t).to(out_base.dtype.element_ty), mask=xmask_t)
     else:
+        if NORM:  # the next sublayer's RMSNorm over the whole width (BS == 1): y = r * rstd(r) * weight
+            sq_n = tl.reduce(tl.reduce(routed * routed, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            if DT > 0:
+                sq_n += tl.reduce(tl.reduce(routed_t * routed_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            n_rstd = 1.0 / tl.sqrt(sq_n / D + norm_eps)  # [1, BM, 1, 1]
+            routed = routed * n_rstd * tl.load(nw_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+            if DT > 0:
+                routed_t = routed_t * n_rstd * tl.load(nw_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32)
         o_off = tl.load(out_offs + s_i, mask=smask, other=0)  # [BS, 1, 1, 1]
         tl.store(out_base + o_off + x_off, routed.to(out_base.dtype.element_ty), mask=smask & xmask)
         if DT > 0:
@@ -274,10 +283,11 @@ def _route_bwd(
     gate_ptr,
     prior_ptr, prior_lse_ptr,
     dsrc_ptr, dw_ptr, dgate_ptr, dprior_ptr, dprior_lse_ptr,
-    M, eps, num_tiles,
+    nw_ptr, dnw_ptr,
+    M, eps, num_tiles, norm_eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr, PF: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
-    ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_DLSE: tl.constexpr,
+    ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_DLSE: tl.constexpr, NORM: tl.constexpr,
 ):
     # Every lane tensor has a twin ``*_t`` over each head's last DT channels when DT > 0 (see
     # _route_fwd); sums over a head add the two.
@@ -304,6 +314,12 @@ def _route_bwd(
         if DT > 0:
             gate_t = tl.load(gate_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32)
             dgate_acc_t = tl.full([1, 1, BH, DT], 0.0, tl.float32)
+    if NORM:  # the fused RMSNorm's weight (BS == 1, a prior, replacement form)
+        nw = tl.load(nw_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        dnw_acc = tl.full([1, 1, BH, BDH], 0.0, tl.float32)
+        if DT > 0:
+            nw_t = tl.load(nw_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32)
+            dnw_acc_t = tl.full([1, 1, BH, DT], 0.0, tl.float32)
 
     # Persistent programs: tile pid, pid + nprog, ... so that dw is summed in registers over many
     # tiles and each program writes one partial; the order is fixed, hence deterministic.
@@ -329,21 +345,24 @@ def _route_bwd(
                 dr_t = dout_t
         lse = tl.load(lse_ptr + sh_off, mask=shmask, other=0.0)
 
-        # pass 1: D = sum_i alpha_i <dr, v_i>_h (and r itself for the gate's gradient)
+        # pass 1: D = sum_i alpha_i <dr, v_i>_h (and r itself for the gate's gradient); with NORM
+        # r itself, from which dr (the norm's backward) and then D = <dr, r>_h follow
         dsum = tl.full([BS, BM, BH, 1], 0.0, tl.float32)
-        if ADDITIVE:
+        if ADDITIVE or NORM:
             racc = tl.full([1, BM, BH, BDH], 0.0, tl.float32)
             if DT > 0:
                 racc_t = tl.full([1, BM, BH, DT], 0.0, tl.float32)
         if HAS_PRIOR:
             po = tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
             p_alpha = tl.exp(tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0) - lse)
-            p_a = tl.reduce(dr * po, 3, _ADD, keep_dims=True)
             if DT > 0:
                 po_t = tl.load(prior_ptr + x_off_t, mask=hmask, other=0.0).to(tl.float32)
-                p_a += tl.reduce(dr_t * po_t, 3, _ADD, keep_dims=True)
-            dsum += p_alpha * p_a
-            if ADDITIVE:
+            if not NORM:
+                p_a = tl.reduce(dr * po, 3, _ADD, keep_dims=True)
+                if DT > 0:
+                    p_a += tl.reduce(dr_t * po_t, 3, _ADD, keep_dims=True)
+                dsum += p_alpha * p_a
+            if ADDITIVE or NORM:
                 racc += tl.reduce(p_alpha * po, 0, _ADD, keep_dims=True)
                 if DT > 0:
                     racc_t += tl.reduce(p_alpha * po_t, 0, _ADD, keep_dims=True)
@@ -366,7 +385,8 @@ def _route_bwd(
                 v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
             sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
             sc = tl.reduce(w * v, 3, _ADD, keep_dims=True)
-            a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
+            if not NORM:
+                a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
             if DT > 0:
                 v_t = v_next_t.to(tl.float32)
                 if PF == 2:
@@ -376,14 +396,38 @@ def _route_bwd(
                     v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
                 sq += tl.reduce(tl.reduce(v_t * v_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
                 sc += tl.reduce(w_t * v_t, 3, _ADD, keep_dims=True)
-                a += tl.reduce(dr_t * v_t, 3, _ADD, keep_dims=True)
+                if not NORM:
+                    a += tl.reduce(dr_t * v_t, 3, _ADD, keep_dims=True)
             rstd = 1.0 / tl.sqrt(sq / D + eps)
             alpha = tl.exp(sc * rstd - lse)
-            dsum += alpha * a
-            if ADDITIVE:
+            if not NORM:
+                dsum += alpha * a
+            if ADDITIVE or NORM:
                 racc += tl.reduce(alpha * v, 0, _ADD, keep_dims=True)
                 if DT > 0:
                     racc_t += tl.reduce(alpha * v_t, 0, _ADD, keep_dims=True)
+        if NORM:
+            # the norm's backward: dr = rstd_n * (weight * dy - r^ <weight * dy, r^> / d), r^ = rstd_n * r
+            # over the whole width; then D = <dr, r>_h and the prior's <dr, o>_h
+            sq_n = tl.reduce(tl.reduce(racc * racc, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            if DT > 0:
+                sq_n += tl.reduce(tl.reduce(racc_t * racc_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            n_rstd = 1.0 / tl.sqrt(sq_n / D + norm_eps)  # [1, BM, 1, 1]
+            gy = dout * nw
+            c_n = tl.reduce(tl.reduce(gy * racc, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            if DT > 0:
+                gy_t = dout_t * nw_t
+                c_n += tl.reduce(tl.reduce(gy_t * racc_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            c_n = c_n * (n_rstd * n_rstd / D)
+            dr = n_rstd * (gy - racc * c_n)
+            dnw_acc += tl.reduce(dout * (racc * n_rstd), 1, _ADD, keep_dims=True)
+            dsum += tl.reduce(dr * racc, 3, _ADD, keep_dims=True)
+            p_a = tl.reduce(dr * po, 3, _ADD, keep_dims=True)
+            if DT > 0:
+                dr_t = n_rstd * (gy_t - racc_t * c_n)
+                dnw_acc_t += tl.reduce(dout_t * (racc_t * n_rstd), 1, _ADD, keep_dims=True)
+                dsum += tl.reduce(dr_t * racc_t, 3, _ADD, keep_dims=True)
+                p_a += tl.reduce(dr_t * po_t, 3, _ADD, keep_dims=True)
         if HAS_DLSE:  # d lse_h enters every score like a constant shift of its D
             dsum -= tl.load(dlse_ptr + sh_off, mask=shmask, other=0.0)
         if ADDITIVE:
@@ -451,6 +495,10 @@ def _route_bwd(
         tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col, dgate_acc, mask=cmask)
         if DT > 0:
             tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col_t, dgate_acc_t, mask=h_i < H)
+    if NORM:
+        tl.store(dnw_ptr + tl.cast(pid, tl.int64) * D + col, dnw_acc, mask=cmask)
+        if DT > 0:
+            tl.store(dnw_ptr + tl.cast(pid, tl.int64) * D + col_t, dnw_acc_t, mask=h_i < H)
 
 
 def _route_bwd_stats(
@@ -991,9 +1039,11 @@ def _check_dtypes(sources: Sequence[Tensor]) -> None:
 def _forward(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
     stream: Optional[Tensor], gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
-    store_scores: bool, save_rstd: bool = False,
+    store_scores: bool, save_rstd: bool = False, norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0,
 ) -> list[Tensor]:
     like = sources[0] if sources else prior_out
+    if norm_weight is not None and (prior_out is None or stream is not None or queries.shape[0] != 1):
+        raise ValueError("triton depth routing: the fused RMSNorm (norm_weight) needs one site with a prior, replacement form")
     shape, d = like.shape, like.shape[-1]
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
     interpret = like.device.type != "cuda"
@@ -1021,10 +1071,11 @@ def _forward(
         _aligned(stream) if stream is not None else dummy, gate.contiguous() if gate is not None else dummy,
         _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
         scores if store_scores else dummy, rstd if store_rstd else dummy,
-        M, eps,
+        norm_weight.contiguous() if norm_weight is not None else dummy,
+        M, eps, float(norm_eps),
         D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, DT=dt, PF=PREFETCH["fwd"], BS=group, BM=bm, ALIGN=16 // base.element_size(),
         ADDITIVE=stream is not None, HAS_PRIOR=prior_out is not None, STORE_SCORES=store_scores, STORE_RSTD=store_rstd,
-        num_warps=warps,
+        NORM=norm_weight is not None, num_warps=warps,
     )
     return [*outs, lse, scores, rstd]
 
@@ -1049,6 +1100,7 @@ def _backward(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
     gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
     lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], rstd: Optional[Tensor] = None,
+    norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0,
 ) -> list[Tensor]:
     like = sources[0] if sources else prior_out
     shape, d = like.shape, like.shape[-1]
@@ -1056,7 +1108,7 @@ def _backward(
     device = like.device
     interpret = device.type != "cuda"
     if _uses_site_loop(n_sites, n_src, prior_out is not None):
-        return _backward_site_loop(sources, queries, gains, heads, eps, gate, lse, grad_outs, grad_lse, rstd)
+        return [*_backward_site_loop(sources, queries, gains, heads, eps, gate, lse, grad_outs, grad_lse, rstd), _new((0,), torch.float32, device)]
     bs, bm, warps, bh, bdh, dt = _tile("bwd", n_sites, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
     srcs = [_aligned(s) for s in sources]
@@ -1073,7 +1125,7 @@ def _backward(
         D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, DT=dt, PF=PREFETCH["bwd"], BS=bs, BM=bm,
         ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(),
         ADDITIVE=gate is not None, HAS_PRIOR=prior_out is not None, HAS_DLSE=grad_lse is not None,
-        num_warps=warps,
+        NORM=norm_weight is not None, num_warps=warps,
     )
 
     head = (
@@ -1085,19 +1137,25 @@ def _backward(
         _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
         dsrc,
     )
-    tail = (dprior if prior_out is not None else dummy, dprior_lse if prior_lse is not None else dummy, M, eps, num_tiles)
+    nw = norm_weight.contiguous() if norm_weight is not None else dummy
 
-    def args(dw: Tensor, dgate: Tensor) -> tuple:
-        return (*head, dw, dgate, *tail)
+    def args(dw: Tensor, dgate: Tensor, dnw: Tensor) -> tuple:
+        return (
+            *head, dw, dgate, dprior if prior_out is not None else dummy, dprior_lse if prior_lse is not None else dummy,
+            nw, dnw, M, eps, num_tiles, float(norm_eps),
+        )
 
     # persistent programs: as many as the SMs hold at once (one wave), each over a fixed range of tiles
     if interpret:
         programs = min(num_tiles, 2)
     else:
-        programs = min(num_tiles, _sm_count(device.index or 0) * _resident_programs("bwd", device, args(dummy, dummy), flags))
+        programs = min(num_tiles, _sm_count(device.index or 0) * _resident_programs("bwd", device, args(dummy, dummy, dummy), flags))
     dw = _new((programs, n_sites, d), torch.float32, device)
     dgate = _new((programs, d) if gate is not None else (0,), torch.float32, device)
-    _kernel("bwd", interpret)[(programs,)](*args(dw, dgate if gate is not None else dummy), **flags)
+    dnw = _new((programs, d) if norm_weight is not None else (0,), torch.float32, device)
+    _kernel("bwd", interpret)[(programs,)](
+        *args(dw, dgate if gate is not None else dummy, dnw if norm_weight is not None else dummy), **flags
+    )
     dw = dw.sum(0)  # fixed-order reduction over programs: deterministic
     q, g = queries.float(), gains.float()
     return [
@@ -1107,6 +1165,7 @@ def _backward(
         dgate.sum(0).to(gate.dtype) if gate is not None else dgate,
         dprior,
         dprior_lse,
+        dnw.sum(0).to(norm_weight.dtype) if norm_weight is not None else dnw,  # fixed order, like dw
     ]
 
 
@@ -1195,7 +1254,7 @@ def _backward_site_loop(
 def route_fwd(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
     stream: Optional[Tensor], gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
-    store_scores: bool, save_rstd: bool,
+    store_scores: bool, save_rstd: bool, norm_weight: Optional[Tensor], norm_eps: float,
 ) -> list[Tensor]:
     """Fused forward of ``S = queries.shape[0]`` routing sites over the same sources.
 
@@ -1203,16 +1262,17 @@ def route_fwd(
     ``[S, d]``; ``stream``/``gate`` the additive form (S = 1); ``prior_out`` ``[..., d]`` and
     ``prior_lse`` ``[..., H]`` float32 a routed value merged as one more source (S = 1);
     ``store_scores`` also returns each source's scores; ``save_rstd`` also returns each source's key
-    rstd (for the site loop's backward).
+    rstd (for the site loop's backward); ``norm_weight`` ``[d]`` (with a prior, S = 1, replacement
+    form) returns ``RMSNorm(out) * norm_weight`` (epsilon ``norm_eps``) in place of ``out``.
 
     Returns ``[out_0 .. out_{S-1}, lse [S, ..., H] float32, scores [N, ..., H] float32 or empty,
     rstd [N, tokens] float32 (each source's key rstd, for the backward) or empty]``.
     """
-    return _forward(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd)
+    return _forward(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, norm_eps)
 
 
 @route_fwd.register_fake
-def _(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd):
+def _(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, norm_eps):
     like = sources[0] if sources else prior_out
     lead = like.shape[:-1]
     outs = [stream.new_empty(like.shape)] if stream is not None else [like.new_empty(like.shape) for _ in range(queries.shape[0])]
@@ -1228,15 +1288,16 @@ def route_bwd(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
     gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
     lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], rstd: Optional[Tensor],
+    norm_weight: Optional[Tensor], norm_eps: float,
 ) -> list[Tensor]:
     """Fused backward of :func:`route_fwd` (``rstd``: its saved key rstd, or None / empty). Returns
     ``[d_sources [N, ..., d], d_queries [S, d], d_gains [S, d], d_gate [d] or empty, d_prior_out or
-    empty, d_prior_lse or empty]``."""
-    return _backward(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd)
+    empty, d_prior_lse or empty, d_norm_weight [d] or empty]``."""
+    return _backward(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd, norm_weight, norm_eps)
 
 
 @route_bwd.register_fake
-def _(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd):
+def _(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd, norm_weight, norm_eps):
     like = sources[0] if sources else prior_out
 
     def empty():  # one per output: outputs may not alias each other
@@ -1249,31 +1310,32 @@ def _(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad
         gate.new_empty(gate.shape) if gate is not None else empty(),
         prior_out.new_empty(prior_out.shape) if prior_out is not None else empty(),
         prior_lse.new_empty(prior_lse.shape) if prior_lse is not None else empty(),
+        norm_weight.new_empty(norm_weight.shape) if norm_weight is not None else empty(),
     ]
 
 
 def _setup_context(ctx, inputs, output):
-    sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd = inputs
+    sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, norm_eps = inputs
     n_out = 1 if stream is not None else queries.shape[0]
-    ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, output[n_out], output[n_out + 2], *sources)
-    ctx.heads, ctx.eps, ctx.n_out, ctx.additive = heads, eps, n_out, stream is not None
+    ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, norm_weight, output[n_out], output[n_out + 2], *sources)
+    ctx.heads, ctx.eps, ctx.n_out, ctx.additive, ctx.norm_eps = heads, eps, n_out, stream is not None, norm_eps
     ctx.set_materialize_grads(False)
 
 
 def _gradients(ctx, grads, backward) -> Optional[tuple]:
     """The backward both autograd paths share: ``(d_sources [N, ..., d], d_queries, d_gains,
-    d_stream, d_gate, d_prior_out, d_prior_lse)`` (None where an input has no gradient) through
+    d_stream, d_gate, d_prior_out, d_prior_lse, d_norm_weight)`` (None where an input has no gradient) through
     ``backward`` (the custom op :func:`route_bwd` or :func:`_backward`), or None when no output has
     a gradient. Missing output gradients are zeros."""
-    queries, gains, gate, prior_out, prior_lse, lse, rstd, *sources = ctx.saved_tensors
+    queries, gains, gate, prior_out, prior_lse, norm_weight, lse, rstd, *sources = ctx.saved_tensors
     grad_outs, grad_lse = list(grads[: ctx.n_out]), grads[ctx.n_out]
     if all(g is None for g in grad_outs) and grad_lse is None:
         return None
     like = sources[0] if sources else prior_out
     dtype = next((g.dtype for g in grad_outs if g is not None), like.dtype)
     grad_outs = [torch.zeros(like.shape, dtype=dtype, device=like.device) if g is None else g for g in grad_outs]
-    d_src, d_q, d_g, d_gate, d_prior, d_prior_lse = backward(
-        sources, queries, gains, ctx.heads, ctx.eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd
+    d_src, d_q, d_g, d_gate, d_prior, d_prior_lse, d_nw = backward(
+        sources, queries, gains, ctx.heads, ctx.eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd, norm_weight, ctx.norm_eps
     )
     return (
         d_src, d_q, d_g,
@@ -1281,15 +1343,16 @@ def _gradients(ctx, grads, backward) -> Optional[tuple]:
         d_gate if gate is not None else None,
         d_prior if prior_out is not None else None,
         d_prior_lse if prior_lse is not None else None,
+        d_nw if norm_weight is not None else None,
     )
 
 
 def _backward_rule(ctx, grads):
     res = _gradients(ctx, grads, route_bwd)
     if res is None:
-        return (None,) * 10
-    d_src, d_q, d_g, d_stream, d_gate, d_prior, d_prior_lse = res
-    return list(d_src.unbind(0)), d_q, d_g, None, None, d_stream, d_gate, d_prior, d_prior_lse, None, None
+        return (None,) * 13
+    d_src, d_q, d_g, d_stream, d_gate, d_prior, d_prior_lse, d_nw = res
+    return list(d_src.unbind(0)), d_q, d_g, None, None, d_stream, d_gate, d_prior, d_prior_lse, None, None, d_nw, None
 
 
 route_fwd.register_autograd(_backward_rule, setup_context=_setup_context)
@@ -1299,16 +1362,19 @@ class _RouteFunction(torch.autograd.Function):
     """Eager autograd of :func:`route_fwd`: the same kernels and gradients as the custom op's
     registered autograd, without the custom op's per-call argument handling (``EAGER_FUNCTION``).
 
-    ``apply(heads, eps, store_scores, save_rstd, queries, gains, stream, gate, prior_out, prior_lse, *sources)``
-    returns the custom op's outputs as a tuple.
+    ``apply(heads, eps, store_scores, save_rstd, norm_eps, queries, gains, stream, gate, prior_out, prior_lse,
+    norm_weight, *sources)`` returns the custom op's outputs as a tuple.
     """
 
     @staticmethod
-    def forward(ctx, heads, eps, store_scores, save_rstd, queries, gains, stream, gate, prior_out, prior_lse, *sources):
-        outs = _forward(list(sources), queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd)
+    def forward(ctx, heads, eps, store_scores, save_rstd, norm_eps, queries, gains, stream, gate, prior_out, prior_lse, norm_weight, *sources):
+        outs = _forward(
+            list(sources), queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, norm_eps
+        )
         n_out = 1 if stream is not None else queries.shape[0]
-        ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, outs[n_out], outs[n_out + 2], *sources)
+        ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, norm_weight, outs[n_out], outs[n_out + 2], *sources)
         ctx.heads, ctx.eps, ctx.n_out, ctx.additive, ctx.n_src = heads, eps, n_out, stream is not None, len(sources)
+        ctx.norm_eps = norm_eps
         ctx.mark_non_differentiable(outs[n_out + 1], outs[n_out + 2])
         ctx.set_materialize_grads(False)
         return tuple(outs)
@@ -1318,20 +1384,24 @@ class _RouteFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         res = _gradients(ctx, grads, _backward)
         if res is None:
-            return (None,) * (10 + ctx.n_src)
+            return (None,) * (12 + ctx.n_src)
         d_src, *rest = res
-        return (None, None, None, None, *rest, *d_src.unbind(0))
+        return (None, None, None, None, None, *rest, *d_src.unbind(0))
 
 
-def _route(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores):
+def _route(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, norm_weight=None, norm_eps=0.0):
     """:func:`route_fwd` with autograd: the custom op under ``torch.compile``, else (with
     ``EAGER_FUNCTION``) :class:`_RouteFunction`, which runs the same kernels. Whether the forward
     saves the key rstd is decided here, outside the op, so that the op's output shapes follow from
     its arguments (torch.compile guards on the module settings read here)."""
     save_rstd = _saves_rstd(sources, queries, gains, prior_out is not None)
     if EAGER_FUNCTION and not torch.compiler.is_compiling():
-        return _RouteFunction.apply(heads, eps, store_scores, save_rstd, queries, gains, stream, gate, prior_out, prior_lse, *sources)
-    return torch.ops.lit_mhar.route_fwd(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd)
+        return _RouteFunction.apply(
+            heads, eps, store_scores, save_rstd, norm_eps, queries, gains, stream, gate, prior_out, prior_lse, norm_weight, *sources
+        )
+    return torch.ops.lit_mhar.route_fwd(
+        sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, float(norm_eps)
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1421,6 +1491,35 @@ def merge_route(
         check_route_args(sources, query, gain, heads, stream, gate)
     srcs = _common_dtype(sources) if sources else []
     return _route(srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False)[0]
+
+
+def merge_route_norm(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    gain: Tensor,
+    heads: int,
+    prior_out: Tensor,
+    prior_lse: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Second phase fused with the next sublayer's RMSNorm: one kernel forward, one backward.
+
+    Same contract as :func:`lit_mhar.kernels.reference.merge_route_norm` (``y = RMSNorm(r) *
+    norm_weight``, ``r`` never rounded nor written). The backward recomputes ``r`` from the prior
+    and the sources, so the forward saves only what the merge saves (the prior, its lse, the
+    sources), not the norm's input; the weight's gradient is summed per persistent program and
+    reduced in a fixed order (deterministic).
+    """
+    check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps)
+    srcs = _common_dtype(sources) if sources else []
+    if srcs and srcs[0].dtype != prior_out.dtype:
+        dtype = torch.promote_types(srcs[0].dtype, prior_out.dtype)
+        srcs, prior_out = [s.to(dtype) for s in srcs], prior_out.to(dtype)
+    return _route(
+        srcs, query[None], gain[None], heads, eps, None, None, prior_out, prior_lse.float(), False, norm_weight, float(norm_eps)
+    )[0]
 
 
 

@@ -233,8 +233,10 @@ class Block(nn.Module):
                 # their input: the stream and a snapshot of the sources (kept for later sites anyway)
                 view = None if site is None else history.snapshot()
                 out = checkpoint(_routed_sublayer, norm, site, fn, h, view, use_reentrant=False)
-            elif isinstance(history, DecodeHistory) and site is not None:
-                out = fn(history.route_norm(site, norm, h))  # decoding: route + norm in one op
+            elif site is not None and weights is None:
+                # decoding: route + norm in one op; training and prefill: the two-phase second phase
+                # and the norm in one op where the form allows (DepthHistory.route_norm)
+                out = fn(history.route_norm(site, norm, h))
             else:
                 x = h if site is None else route(site, history, h, weights)
                 out = fn(norm(x))
@@ -247,8 +249,7 @@ class Block(nn.Module):
 
 def _routed_sublayer(norm: nn.Module, site: Optional[RoutingSite], fn, stream: Optional[Tensor], history: Optional[DepthHistory]) -> Tensor:
     """``fn(norm(x))``, x routed from ``history`` (a :meth:`DepthHistory.snapshot`) or the stream: the checkpointed region."""
-    x = stream if site is None else history.route(site, stream)
-    return fn(norm(x))
+    return fn(norm(stream) if site is None else history.route_norm(site, norm, stream))
 
 
 def _hyper_sublayer(hc: HyperConnection, norm: nn.Module, fn, H: Tensor) -> Tensor:
@@ -367,13 +368,12 @@ class LM(nn.Module):
             h = x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.hc_rate, x.shape[-1])
         for block, layer_cache in zip(self.blocks, layer_caches):
             h = block(h, history, cos, sin, weights) if layer_cache is None else block(h, history, cos, sin, weights, layer_cache)
-        if self.final_site is not None and isinstance(history, DecodeHistory):
+        if self.final_site is not None and weights is None:
+            if self.activation_checkpointing and cache is None and torch.is_grad_enabled():
+                return self.lm_head(checkpoint(history.snapshot().route_norm, self.final_site, self.norm, h, use_reentrant=False))
             return self.lm_head(history.route_norm(self.final_site, self.norm, h))
         if self.final_site is not None:
-            if self.activation_checkpointing and weights is None and cache is None and torch.is_grad_enabled():
-                h = checkpoint(history.snapshot().route, self.final_site, h, use_reentrant=False)
-            else:
-                h = route(self.final_site, history, h, weights)
+            h = route(self.final_site, history, h, weights)
         if self.cfg.residual == "hyper":  # Hyper-Connections merge the copies by their sum
             h = h.sum(-2)
         logits = self.lm_head(self.norm(h))

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_mhar.kernels import depth_route, merge_route, route_norm_decode, route_sites, route_sites_decode
+from lit_mhar.kernels import depth_route, merge_route, merge_route_norm, route_norm_decode, route_sites, route_sites_decode
 
 
 # Sites of full routing (S = 1) routed together in phase one of the two-phase computation: each
@@ -30,6 +30,12 @@ FULL_ROUTING_GROUP = 8
 # least this many complete slots routes them in one phase-one pass; each site then reads only the
 # slots written since (BENCHMARKS.md, fourth set). Shorter histories are routed site by site.
 DECODE_PREFIX_MIN_SOURCES = 16
+
+# Two-phase routing of the replacement form (AttnRes, MHAR) runs each site's second phase together
+# with the next sublayer's RMSNorm in one op (:func:`lit_mhar.kernels.merge_route_norm`): the
+# routed value is neither written, read back by the norm, cast, nor saved for the norm's backward
+# (BENCHMARKS.md, seventh set). A benchmark knob (False: merge, then the norm module).
+FUSED_NORM = True
 
 
 class DepthHistory:
@@ -107,11 +113,7 @@ class DepthHistory:
         """
         if not self.two_phase or return_weights:
             return site(self, stream, return_weights=return_weights)
-        index = self.n_appended
-        if index not in self._inter:
-            self._route_group(index)
-        prior_out, prior_lse, covered = self._inter[index] if self._frozen else self._inter.pop(index)
-        newer = self.blocks[covered:] + ([] if self.partial is None else [self.partial])
+        prior_out, prior_lse, newer = self._phase_two_inputs()
         if not newer and site.gate is None:
             return prior_out  # first site of a group: phase one covered all it sees
         return merge_route(
@@ -125,6 +127,34 @@ class DepthHistory:
             gate=site.gate,
             eps=site.eps,
         )
+
+    def route_norm(self, site: "RoutingSite", norm: nn.Module, stream: Optional[Tensor] = None) -> Tensor:
+        """``norm(route(site, stream))`` ``[..., d]``: the input of the sublayer after ``site``.
+
+        With two-phase routing in the replacement form (no gate) and ``norm`` an ``nn.RMSNorm``
+        with a weight, the second phase and the norm run as one op
+        (:func:`lit_mhar.kernels.merge_route_norm`, ``FUSED_NORM``): the result, in the sources'
+        dtype, is the norm of the unrounded routed value. Otherwise the routed value goes through
+        ``norm`` as a module call.
+        """
+        fused = (
+            FUSED_NORM and self.two_phase and site.gate is None
+            and isinstance(norm, nn.RMSNorm) and norm.weight is not None
+        )
+        if not fused:
+            return norm(self.route(site, stream))
+        prior_out, prior_lse, newer = self._phase_two_inputs()
+        eps = norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(prior_out.dtype, norm.weight.dtype)).eps
+        return merge_route_norm(newer, site.query, site.key_gain, site.heads, prior_out, prior_lse, norm.weight, eps, site.eps)
+
+    def _phase_two_inputs(self) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """Phase one's routed value and lse for the site about to run, and the sources added since."""
+        index = self.n_appended
+        if index not in self._inter:
+            self._route_group(index)
+        prior_out, prior_lse, covered = self._inter[index] if self._frozen else self._inter.pop(index)
+        newer = self.blocks[covered:] + ([] if self.partial is None else [self.partial])
+        return prior_out, prior_lse, newer
 
     def snapshot(self) -> "DepthHistory":
         """A read-only copy of the history as the site about to run sees it (activation checkpointing).
