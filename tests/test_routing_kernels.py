@@ -433,20 +433,20 @@ def test_merge_route_norm_matches_float64_reference_full_grid(n, heads, d, token
 
 @pytest.mark.parametrize("impl", [reference.merge_route_norm, tr.merge_route_norm], ids=["reference", "triton"])
 def test_merge_route_norm_refuses_bad_arguments(impl):
-    v, q, gn = [torch.randn(3, 8)], torch.randn(8), torch.ones(8)
-    prior, lse, w = torch.randn(3, 8), torch.randn(3, 2), torch.ones(8)
+    v, q, gn = [torch.randn(3, 8, device=DEVICE)], torch.randn(8, device=DEVICE), torch.ones(8, device=DEVICE)
+    prior, lse, w = torch.randn(3, 8, device=DEVICE), torch.randn(3, 2, device=DEVICE), torch.ones(8, device=DEVICE)
     with use_backend("triton"):
         impl(v, q, gn, 2, prior, lse, w, 1e-5)  # the good call
         for bad, match in [
-            (dict(norm_weight=torch.ones(7)), r"norm_weight must be a \(8,\) tensor"),
-            (dict(norm_weight=torch.ones(8, dtype=torch.int64)), "norm_weight has dtype torch.int64"),
+            (dict(norm_weight=torch.ones(7, device=DEVICE)), r"norm_weight must be a \(8,\) tensor"),
+            (dict(norm_weight=torch.ones(8, dtype=torch.int64, device=DEVICE)), "norm_weight has dtype torch.int64"),
             (dict(norm_eps=-1.0), "norm_eps=-1.0 must be a finite number"),
             (dict(norm_eps=float("nan")), "norm_eps=nan"),
             (dict(eps=float("inf")), "eps=inf"),
-            (dict(prior_lse=torch.randn(3, 4)), r"prior_lse must be a \(3, 2\) tensor"),
-            (dict(prior_out=torch.randn(3, 16)), "prior_out has shape"),
+            (dict(prior_lse=torch.randn(3, 4, device=DEVICE)), r"prior_lse must be a \(3, 2\) tensor"),
+            (dict(prior_out=torch.randn(3, 16, device=DEVICE)), "prior_out has shape"),
             (dict(heads=3), "heads=3"),
-            (dict(sources=[torch.randn(4, 8)]), "prior_out has shape"),
+            (dict(sources=[torch.randn(4, 8, device=DEVICE)]), "prior_out has shape"),
         ]:
             args = dict(sources=v, query=q, gain=gn, heads=2, prior_out=prior, prior_lse=lse, norm_weight=w, norm_eps=1e-5, eps=1e-6)
             args.update(bad)
