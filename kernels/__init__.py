@@ -81,10 +81,10 @@ def merge_route(sources, query, gain, heads, prior_out, prior_lse, stream=None, 
     return _impl(prior_out).merge_route(sources, query, gain, heads, prior_out, prior_lse, stream, gate, eps)
 
 
-def merge_route_norm(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps=1e-6):
+def merge_route_norm(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, stream=None, gate=None, eps=1e-6):
     """Dispatching second phase fused with the next RMSNorm (training); see :func:`lit_mhar.kernels.reference.merge_route_norm`."""
     return _impl(prior_out, "merge_route_norm: prior_out").merge_route_norm(
-        sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps
+        sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, stream, gate, eps
     )
 
 

@@ -184,13 +184,13 @@ def merge_route(
 
 def check_merge_norm_args(
     sources: Sequence[Tensor], query: Tensor, gain: Tensor, heads: int, prior_out: Tensor, prior_lse: Tensor,
-    norm_weight: Tensor, norm_eps: float, eps: float,
+    norm_weight: Tensor, norm_eps: float, eps: float, stream: Optional[Tensor] = None, gate: Optional[Tensor] = None,
 ) -> None:
     """Validate :func:`merge_route_norm`'s arguments before any work; raise ValueError naming the bad one."""
     if not isinstance(prior_out, Tensor) or prior_out.dim() < 1 or not prior_out.is_floating_point():
         raise ValueError(f"merge_route_norm: prior_out must be a floating [..., d] tensor, got {getattr(prior_out, 'shape', prior_out)!r}")
     d = prior_out.shape[-1]
-    check_route_args(list(sources) or [prior_out], query, gain, heads, None, None)
+    check_route_args(list(sources) or [prior_out], query, gain, heads, stream, gate)
     if sources and sources[0].shape != prior_out.shape:
         raise ValueError(f"merge_route_norm: prior_out has shape {tuple(prior_out.shape)}, the sources {tuple(sources[0].shape)}")
     want = (*prior_out.shape[:-1], heads)
@@ -214,16 +214,19 @@ def merge_route_norm(
     prior_lse: Tensor,
     norm_weight: Tensor,
     norm_eps: float,
+    stream: Optional[Tensor] = None,
+    gate: Optional[Tensor] = None,
     eps: float = 1e-6,
 ) -> Tensor:
-    """Second phase of the replacement form fused with the next sublayer's RMSNorm (training).
+    """Second phase of two-phase routing fused with the next sublayer's RMSNorm (training).
 
-    ``RMSNorm(r) * norm_weight`` with ``r`` as :func:`merge_route` routes it (no stream or gate:
-    AttnRes / MHAR, whose routed value is the sublayer's input), the norm over the whole width d:
+    ``RMSNorm(x) * norm_weight`` of the site's output ``x`` as :func:`merge_route` computes it:
+    ``x = r`` (AttnRes / MHAR) or ``x = stream + gate * r`` (Delta AttnRes), the norm over the
+    whole width d:
 
-        y = r * norm_weight / sqrt(mean_c r[c]^2 + norm_eps)
+        y = x * norm_weight / sqrt(mean_c x[c]^2 + norm_eps)
 
-    ``r`` is kept in the arithmetic dtype (float32 for half-precision inputs) between the two, not
+    ``x`` is kept in the arithmetic dtype (float32 for half-precision inputs) between the two, not
     rounded; only ``y`` is. ``sources`` may be empty: then ``r = prior_out`` (the first site of a
     group, whose phase one saw every source).
 
@@ -232,17 +235,22 @@ def merge_route_norm(
         query, gain: ``[d]`` the site's pseudo-query and key-norm gain. heads: H dividing d.
         prior_out: ``[..., d]`` phase one's routed value; prior_lse ``[..., H]`` its log-sum-exp.
         norm_weight: ``[d]`` the RMSNorm's weight; norm_eps: its epsilon (>= 0).
+        stream, gate: ``[..., d]`` and ``[d]``, the additive form (Delta AttnRes), or both None.
         eps: the key RMSNorm epsilon.
 
     Returns:
         ``y`` ``[..., d]`` in the dtype of ``prior_out`` promoted with the sources (not with
-        ``norm_weight``: under autocast the next linear layer rounds to that dtype anyway).
+        ``norm_weight`` or the stream: under autocast the next linear layer rounds to that dtype
+        anyway).
 
     Raises:
-        ValueError: a shape, device, dtype, ``heads`` or epsilon that does not fit.
+        ValueError: a shape, device, dtype, ``heads`` or epsilon that does not fit; ``stream``
+            without ``gate`` or the reverse.
     """
-    check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps)
+    check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate)
     routed, _ = _route_with_prior(sources, query, gain, heads, (prior_out, prior_lse), None, eps, round_out=False)
+    if stream is not None:
+        routed = stream.to(routed.dtype) + gate.to(routed.dtype) * routed
     y = torch.nn.functional.rms_norm(routed, (routed.shape[-1],), norm_weight.to(routed.dtype), norm_eps)
     dtype = prior_out.dtype
     for s_ in sources:

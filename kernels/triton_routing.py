@@ -253,26 +253,27 @@ def _route_fwd(
         routed_t = acc_t / l_i
     tl.store(lse_ptr + s_i.to(tl.int64) * M * H + hm_off, m_i + tl.log(l_i), mask=smask & hmask)
     if ADDITIVE:  # Delta AttnRes: out = stream + gate * r (BS == 1)
-        stream = tl.load(stream_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
-        gate = tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32)
-        tl.store(out_base + x_off, (stream + gate * routed).to(out_base.dtype.element_ty), mask=xmask)
+        routed = (
+            tl.load(stream_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
+            + tl.load(gate_ptr + col, mask=cmask, other=0.0).to(tl.float32) * routed
+        )
         if DT > 0:
-            stream_t = tl.load(stream_ptr + x_off_t, mask=xmask_t, other=0.0).to(tl.float32)
-            gate_t = tl.load(gate_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32)
-            tl.store(out_base + x_off_t, (stream_t + gate_t * routed_t).to(out_base.dtype.element_ty), mask=xmask_t)
-    else:
-        if NORM:  # the next sublayer's RMSNorm over the whole width (BS == 1): y = r * rstd(r) * weight
-            sq_n = tl.reduce(tl.reduce(routed * routed, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
-            if DT > 0:
-                sq_n += tl.reduce(tl.reduce(routed_t * routed_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
-            n_rstd = 1.0 / tl.sqrt(sq_n / D + norm_eps)  # [1, BM, 1, 1]
-            routed = routed * n_rstd * tl.load(nw_ptr + col, mask=cmask, other=0.0).to(tl.float32)
-            if DT > 0:
-                routed_t = routed_t * n_rstd * tl.load(nw_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32)
-        o_off = tl.load(out_offs + s_i, mask=smask, other=0)  # [BS, 1, 1, 1]
-        tl.store(out_base + o_off + x_off, routed.to(out_base.dtype.element_ty), mask=smask & xmask)
+            routed_t = (
+                tl.load(stream_ptr + x_off_t, mask=xmask_t, other=0.0).to(tl.float32)
+                + tl.load(gate_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32) * routed_t
+            )
+    if NORM:  # the next sublayer's RMSNorm over the whole width (BS == 1): y = out * rstd(out) * weight
+        sq_n = tl.reduce(tl.reduce(routed * routed, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
         if DT > 0:
-            tl.store(out_base + o_off + x_off_t, routed_t.to(out_base.dtype.element_ty), mask=smask & xmask_t)
+            sq_n += tl.reduce(tl.reduce(routed_t * routed_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+        n_rstd = 1.0 / tl.sqrt(sq_n / D + norm_eps)  # [1, BM, 1, 1]
+        routed = routed * n_rstd * tl.load(nw_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+        if DT > 0:
+            routed_t = routed_t * n_rstd * tl.load(nw_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32)
+    o_off = tl.load(out_offs + s_i, mask=smask, other=0)  # [BS, 1, 1, 1]
+    tl.store(out_base + o_off + x_off, routed.to(out_base.dtype.element_ty), mask=smask & xmask)
+    if DT > 0:
+        tl.store(out_base + o_off + x_off_t, routed_t.to(out_base.dtype.element_ty), mask=smask & xmask_t)
 
 
 def _route_bwd(
@@ -283,7 +284,7 @@ def _route_bwd(
     gate_ptr,
     prior_ptr, prior_lse_ptr,
     dsrc_ptr, dw_ptr, dgate_ptr, dprior_ptr, dprior_lse_ptr,
-    nw_ptr, dnw_ptr,
+    nw_ptr, dnw_ptr, stream_ptr, dstream_ptr,
     M, eps, num_tiles, norm_eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr, PF: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
@@ -407,25 +408,46 @@ def _route_bwd(
                 if DT > 0:
                     racc_t += tl.reduce(alpha * v_t, 0, _ADD, keep_dims=True)
         if NORM:
-            # the norm's backward: dr = rstd_n * (weight * dy - r^ <weight * dy, r^> / d), r^ = rstd_n * r
-            # over the whole width; then D = <dr, r>_h and the prior's <dr, o>_h
-            sq_n = tl.reduce(tl.reduce(racc * racc, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            # the norm's backward: dx = rstd_n * (weight * dy - x^ <weight * dy, x^> / d), x^ = rstd_n * x
+            # over the whole width, x = r (or stream + gate * r); then dout = dx stands for the
+            # gradient of the op's output before the norm, dr = dx (or gate * dx), D = <dr, r>_h
+            # and the prior's <dr, o>_h
+            if ADDITIVE:
+                xn = tl.load(stream_ptr + x_off, mask=xmask, other=0.0).to(tl.float32) + gate * racc
+                if DT > 0:
+                    xn_t = tl.load(stream_ptr + x_off_t, mask=hmask, other=0.0).to(tl.float32) + gate_t * racc_t
+            else:
+                xn = racc
+                if DT > 0:
+                    xn_t = racc_t
+            sq_n = tl.reduce(tl.reduce(xn * xn, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
             if DT > 0:
-                sq_n += tl.reduce(tl.reduce(racc_t * racc_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+                sq_n += tl.reduce(tl.reduce(xn_t * xn_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
             n_rstd = 1.0 / tl.sqrt(sq_n / D + norm_eps)  # [1, BM, 1, 1]
             gy = dout * nw
-            c_n = tl.reduce(tl.reduce(gy * racc, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            c_n = tl.reduce(tl.reduce(gy * xn, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            dnw_acc += tl.reduce(dout * (xn * n_rstd), 1, _ADD, keep_dims=True)
             if DT > 0:
                 gy_t = dout_t * nw_t
-                c_n += tl.reduce(tl.reduce(gy_t * racc_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+                c_n += tl.reduce(tl.reduce(gy_t * xn_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+                dnw_acc_t += tl.reduce(dout_t * (xn_t * n_rstd), 1, _ADD, keep_dims=True)
             c_n = c_n * (n_rstd * n_rstd / D)
-            dr = n_rstd * (gy - racc * c_n)
-            dnw_acc += tl.reduce(dout * (racc * n_rstd), 1, _ADD, keep_dims=True)
+            dout = n_rstd * (gy - xn * c_n)
+            if DT > 0:
+                dout_t = n_rstd * (gy_t - xn_t * c_n)
+            if ADDITIVE:
+                tl.store(dstream_ptr + x_off, dout.to(dstream_ptr.dtype.element_ty), mask=xmask)
+                dr = dout * gate
+                if DT > 0:
+                    tl.store(dstream_ptr + x_off_t, dout_t.to(dstream_ptr.dtype.element_ty), mask=hmask)
+                    dr_t = dout_t * gate_t
+            else:
+                dr = dout
+                if DT > 0:
+                    dr_t = dout_t
             dsum += tl.reduce(dr * racc, 3, _ADD, keep_dims=True)
             p_a = tl.reduce(dr * po, 3, _ADD, keep_dims=True)
             if DT > 0:
-                dr_t = n_rstd * (gy_t - racc_t * c_n)
-                dnw_acc_t += tl.reduce(dout_t * (racc_t * n_rstd), 1, _ADD, keep_dims=True)
                 dsum += tl.reduce(dr_t * racc_t, 3, _ADD, keep_dims=True)
                 p_a += tl.reduce(dr_t * po_t, 3, _ADD, keep_dims=True)
         if HAS_DLSE:  # d lse_h enters every score like a constant shift of its D
@@ -1042,8 +1064,8 @@ def _forward(
     store_scores: bool, save_rstd: bool = False, norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0,
 ) -> list[Tensor]:
     like = sources[0] if sources else prior_out
-    if norm_weight is not None and (prior_out is None or stream is not None or queries.shape[0] != 1):
-        raise ValueError("triton depth routing: the fused RMSNorm (norm_weight) needs one site with a prior, replacement form")
+    if norm_weight is not None and (prior_out is None or queries.shape[0] != 1):
+        raise ValueError("triton depth routing: the fused RMSNorm (norm_weight) needs one site with a prior")
     shape, d = like.shape, like.shape[-1]
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
     interpret = like.device.type != "cuda"
@@ -1054,8 +1076,8 @@ def _forward(
     srcs = [_aligned(s) for s in sources]
     base = srcs[0] if srcs else _aligned(prior_out)
     w = (queries.float() * gains.float()).contiguous()
-    if stream is not None:
-        outs = [_new(shape, stream.dtype, like.device)]
+    if stream is not None:  # the norm's output in the sources' dtype, else the stream's
+        outs = [_new(shape, like.dtype if norm_weight is not None else stream.dtype, like.device)]
     else:
         outs = [_new(shape, like.dtype, like.device) for _ in range(n_sites)]
     lse = _new((n_sites, *shape[:-1], heads), torch.float32, like.device)
@@ -1100,7 +1122,7 @@ def _backward(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
     gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
     lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], rstd: Optional[Tensor] = None,
-    norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0,
+    norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0, stream: Optional[Tensor] = None,
 ) -> list[Tensor]:
     like = sources[0] if sources else prior_out
     shape, d = like.shape, like.shape[-1]
@@ -1108,7 +1130,8 @@ def _backward(
     device = like.device
     interpret = device.type != "cuda"
     if _uses_site_loop(n_sites, n_src, prior_out is not None):
-        return [*_backward_site_loop(sources, queries, gains, heads, eps, gate, lse, grad_outs, grad_lse, rstd), _new((0,), torch.float32, device)]
+        empty = [_new((0,), torch.float32, device) for _ in range(2)]  # no norm: d_norm_weight, d_stream
+        return [*_backward_site_loop(sources, queries, gains, heads, eps, gate, lse, grad_outs, grad_lse, rstd), *empty]
     bs, bm, warps, bh, bdh, dt = _tile("bwd", n_sites, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
     srcs = [_aligned(s) for s in sources]
@@ -1138,11 +1161,16 @@ def _backward(
         dsrc,
     )
     nw = norm_weight.contiguous() if norm_weight is not None else dummy
+    norm_stream = norm_weight is not None and gate is not None  # the additive form's stream enters the norm
+    if norm_stream and stream is None:
+        raise ValueError("triton depth routing: the additive form's fused norm needs the stream in its backward")
+    dstream = _new(shape if norm_stream else (0,), stream.dtype if norm_stream else torch.float32, device)
 
     def args(dw: Tensor, dgate: Tensor, dnw: Tensor) -> tuple:
         return (
             *head, dw, dgate, dprior if prior_out is not None else dummy, dprior_lse if prior_lse is not None else dummy,
-            nw, dnw, M, eps, num_tiles, float(norm_eps),
+            nw, dnw, _aligned(stream) if norm_stream else dummy, dstream if norm_stream else dummy,
+            M, eps, num_tiles, float(norm_eps),
         )
 
     # persistent programs: as many as the SMs hold at once (one wave), each over a fixed range of tiles
@@ -1166,6 +1194,7 @@ def _backward(
         dprior,
         dprior_lse,
         dnw.sum(0).to(norm_weight.dtype) if norm_weight is not None else dnw,  # fixed order, like dw
+        dstream,
     ]
 
 
@@ -1288,16 +1317,19 @@ def route_bwd(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
     gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
     lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], rstd: Optional[Tensor],
-    norm_weight: Optional[Tensor], norm_eps: float,
+    norm_weight: Optional[Tensor], norm_eps: float, stream: Optional[Tensor],
 ) -> list[Tensor]:
-    """Fused backward of :func:`route_fwd` (``rstd``: its saved key rstd, or None / empty). Returns
+    """Fused backward of :func:`route_fwd` (``rstd``: its saved key rstd, or None / empty;
+    ``stream``: the additive form's stream where the norm is fused, else None). Returns
     ``[d_sources [N, ..., d], d_queries [S, d], d_gains [S, d], d_gate [d] or empty, d_prior_out or
-    empty, d_prior_lse or empty, d_norm_weight [d] or empty]``."""
-    return _backward(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd, norm_weight, norm_eps)
+    empty, d_prior_lse or empty, d_norm_weight [d] or empty, d_stream (fused norm, additive) or empty]``."""
+    return _backward(
+        sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd, norm_weight, norm_eps, stream
+    )
 
 
 @route_bwd.register_fake
-def _(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd, norm_weight, norm_eps):
+def _(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd, norm_weight, norm_eps, stream):
     like = sources[0] if sources else prior_out
 
     def empty():  # one per output: outputs may not alias each other
@@ -1311,13 +1343,15 @@ def _(sources, queries, gains, heads, eps, gate, prior_out, prior_lse, lse, grad
         prior_out.new_empty(prior_out.shape) if prior_out is not None else empty(),
         prior_lse.new_empty(prior_lse.shape) if prior_lse is not None else empty(),
         norm_weight.new_empty(norm_weight.shape) if norm_weight is not None else empty(),
+        stream.new_empty(stream.shape) if norm_weight is not None and gate is not None else empty(),
     ]
 
 
 def _setup_context(ctx, inputs, output):
     sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, norm_eps = inputs
     n_out = 1 if stream is not None else queries.shape[0]
-    ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, norm_weight, output[n_out], output[n_out + 2], *sources)
+    kept_stream = stream if norm_weight is not None else None  # the fused norm's backward needs the stream
+    ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, norm_weight, kept_stream, output[n_out], output[n_out + 2], *sources)
     ctx.heads, ctx.eps, ctx.n_out, ctx.additive, ctx.norm_eps = heads, eps, n_out, stream is not None, norm_eps
     ctx.set_materialize_grads(False)
 
@@ -1327,19 +1361,22 @@ def _gradients(ctx, grads, backward) -> Optional[tuple]:
     d_stream, d_gate, d_prior_out, d_prior_lse, d_norm_weight)`` (None where an input has no gradient) through
     ``backward`` (the custom op :func:`route_bwd` or :func:`_backward`), or None when no output has
     a gradient. Missing output gradients are zeros."""
-    queries, gains, gate, prior_out, prior_lse, norm_weight, lse, rstd, *sources = ctx.saved_tensors
+    queries, gains, gate, prior_out, prior_lse, norm_weight, stream, lse, rstd, *sources = ctx.saved_tensors
     grad_outs, grad_lse = list(grads[: ctx.n_out]), grads[ctx.n_out]
     if all(g is None for g in grad_outs) and grad_lse is None:
         return None
     like = sources[0] if sources else prior_out
     dtype = next((g.dtype for g in grad_outs if g is not None), like.dtype)
     grad_outs = [torch.zeros(like.shape, dtype=dtype, device=like.device) if g is None else g for g in grad_outs]
-    d_src, d_q, d_g, d_gate, d_prior, d_prior_lse, d_nw = backward(
-        sources, queries, gains, ctx.heads, ctx.eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd, norm_weight, ctx.norm_eps
+    d_src, d_q, d_g, d_gate, d_prior, d_prior_lse, d_nw, d_stream = backward(
+        sources, queries, gains, ctx.heads, ctx.eps, gate, prior_out, prior_lse, lse, grad_outs, grad_lse, rstd, norm_weight, ctx.norm_eps,
+        stream,
     )
+    if ctx.additive and norm_weight is None:
+        d_stream = grad_outs[0]  # out = stream + gate * r: d stream = d out
     return (
         d_src, d_q, d_g,
-        grad_outs[0] if ctx.additive else None,  # d stream = d out
+        d_stream if ctx.additive else None,
         d_gate if gate is not None else None,
         d_prior if prior_out is not None else None,
         d_prior_lse if prior_lse is not None else None,
@@ -1372,7 +1409,8 @@ class _RouteFunction(torch.autograd.Function):
             list(sources), queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, norm_eps
         )
         n_out = 1 if stream is not None else queries.shape[0]
-        ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, norm_weight, outs[n_out], outs[n_out + 2], *sources)
+        kept_stream = stream if norm_weight is not None else None  # the fused norm's backward needs the stream
+        ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, norm_weight, kept_stream, outs[n_out], outs[n_out + 2], *sources)
         ctx.heads, ctx.eps, ctx.n_out, ctx.additive, ctx.n_src = heads, eps, n_out, stream is not None, len(sources)
         ctx.norm_eps = norm_eps
         ctx.mark_non_differentiable(outs[n_out + 1], outs[n_out + 2])
@@ -1502,23 +1540,25 @@ def merge_route_norm(
     prior_lse: Tensor,
     norm_weight: Tensor,
     norm_eps: float,
+    stream: Optional[Tensor] = None,
+    gate: Optional[Tensor] = None,
     eps: float = 1e-6,
 ) -> Tensor:
     """Second phase fused with the next sublayer's RMSNorm: one kernel forward, one backward.
 
-    Same contract as :func:`lit_mhar.kernels.reference.merge_route_norm` (``y = RMSNorm(r) *
-    norm_weight``, ``r`` never rounded nor written). The backward recomputes ``r`` from the prior
-    and the sources, so the forward saves only what the merge saves (the prior, its lse, the
-    sources), not the norm's input; the weight's gradient is summed per persistent program and
-    reduced in a fixed order (deterministic).
+    Same contract as :func:`lit_mhar.kernels.reference.merge_route_norm` (``y = RMSNorm(x) *
+    norm_weight``, ``x = r`` or ``stream + gate * r``, never rounded nor written). The backward
+    recomputes ``r`` from the prior and the sources, so the forward saves what the merge saves (the
+    prior, its lse, the sources; the stream in the additive form), not the norm's input; the
+    weight's gradient is summed per persistent program and reduced in a fixed order (deterministic).
     """
-    check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps)
+    check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate)
     srcs = _common_dtype(sources) if sources else []
     if srcs and srcs[0].dtype != prior_out.dtype:
         dtype = torch.promote_types(srcs[0].dtype, prior_out.dtype)
         srcs, prior_out = [s.to(dtype) for s in srcs], prior_out.to(dtype)
     return _route(
-        srcs, query[None], gain[None], heads, eps, None, None, prior_out, prior_lse.float(), False, norm_weight, float(norm_eps)
+        srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False, norm_weight, float(norm_eps)
     )[0]
 
 

@@ -31,11 +31,11 @@ FULL_ROUTING_GROUP = 8
 # slots written since (BENCHMARKS.md, fourth set). Shorter histories are routed site by site.
 DECODE_PREFIX_MIN_SOURCES = 16
 
-# Two-phase routing of the replacement form (AttnRes, MHAR) runs each site's second phase together
-# with the next sublayer's RMSNorm in one op (:func:`lit_mhar.kernels.merge_route_norm`): the
-# routed value is neither written, read back by the norm, cast, nor saved for the norm's backward
-# (BENCHMARKS.md, seventh set: block MHAR at 350m 0.939 against 0.918 x prenorm, peak memory 1.002
-# against 1.061). A benchmark knob (False: merge, then the norm module).
+# Two-phase routing runs each site's second phase together with the next sublayer's RMSNorm in one
+# op (:func:`lit_mhar.kernels.merge_route_norm`): the site's output (the routed value, or Delta
+# AttnRes's stream + gate * routed value) is neither written, read back by the norm, cast, nor
+# saved for the norm's backward (BENCHMARKS.md, seventh set: block MHAR at 350m 0.939 against 0.918
+# x prenorm, peak memory 1.002 against 1.061). A benchmark knob (False: merge, then the norm module).
 FUSED_NORM = True
 
 
@@ -132,21 +132,21 @@ class DepthHistory:
     def route_norm(self, site: "RoutingSite", norm: nn.Module, stream: Optional[Tensor] = None) -> Tensor:
         """``norm(route(site, stream))`` ``[..., d]``: the input of the sublayer after ``site``.
 
-        With two-phase routing in the replacement form (no gate) and ``norm`` an ``nn.RMSNorm``
-        with a weight, the second phase and the norm run as one op
-        (:func:`lit_mhar.kernels.merge_route_norm`, ``FUSED_NORM``): the result, in the sources'
-        dtype, is the norm of the unrounded routed value. Otherwise the routed value goes through
-        ``norm`` as a module call.
+        With two-phase routing and ``norm`` an ``nn.RMSNorm`` with a weight, the second phase and
+        the norm run as one op (:func:`lit_mhar.kernels.merge_route_norm`, ``FUSED_NORM``): the
+        result, in the sources' dtype, is the norm of the unrounded site output. Otherwise the
+        site's output goes through ``norm`` as a module call.
         """
-        fused = (
-            FUSED_NORM and self.two_phase and site.gate is None
-            and isinstance(norm, nn.RMSNorm) and norm.weight is not None
-        )
+        fused = FUSED_NORM and self.two_phase and isinstance(norm, nn.RMSNorm) and norm.weight is not None
         if not fused:
             return norm(self.route(site, stream))
         prior_out, prior_lse, newer = self._phase_two_inputs()
         eps = norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(prior_out.dtype, norm.weight.dtype)).eps
-        return merge_route_norm(newer, site.query, site.key_gain, site.heads, prior_out, prior_lse, norm.weight, eps, site.eps)
+        additive = site.gate is not None
+        return merge_route_norm(
+            newer, site.query, site.key_gain, site.heads, prior_out, prior_lse, norm.weight, eps,
+            stream=stream if additive else None, gate=site.gate, eps=site.eps,
+        )
 
     def _phase_two_inputs(self) -> tuple[Tensor, Tensor, list[Tensor]]:
         """Phase one's routed value and lse for the site about to run, and the sources added since."""

@@ -1,0 +1,95 @@
+"""Numerics of the second phase fused with the RMSNorm against the unfused path, on one GPU.
+
+For each variant, from the same weights and tokens, one forward and backward (no optimiser step):
+bf16 autocast with ``FUSED_NORM`` (the default), bf16 autocast without it (the merge, then the
+norm module), and float32 without autocast (fused; the kernels' float32 arithmetic). Prints, for
+both bf16 paths, the loss difference from float32 and the relative L2 error of all parameter
+gradients concatenated (and of the routing parameters' alone) against float32. The fused path
+should be no further from float32 than the unfused one.
+
+    python benchmarks/check_fused_norm.py --scale 350m --variants mhar-block8-H8,delta-block8-H8 --batch 4
+
+``BENCH_DEVICE=cpu`` runs it on the debug scale in Triton's interpreter (a dry run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_training import DEVICE, SCALES, VARIANTS  # noqa: E402  (one table of scales and variants)
+
+from lit_mhar import LM, ModelConfig, routing  # noqa: E402
+from lit_mhar.kernels import use_backend  # noqa: E402
+
+
+def gradients(model: LM, x: torch.Tensor, y: torch.Tensor, autocast: bool, fused: bool) -> tuple[float, dict]:
+    """``(loss, {name: float64 gradient})`` of one forward and backward."""
+    old, routing.FUSED_NORM = routing.FUSED_NORM, fused
+    try:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+    finally:
+        routing.FUSED_NORM = old
+    return loss.item(), {n: p.grad.double().flatten() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rel(a: dict, b: dict, names) -> float:
+    x, r = torch.cat([a[n] for n in names]), torch.cat([b[n] for n in names])
+    return ((x - r).norm() / r.norm()).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", default="350m", choices=[s for s in SCALES if s != "debug"])
+    ap.add_argument("--variants", default="mhar-block8-H8,delta-block8-H8", help=f"comma-separated, from {sorted(VARIANTS)}")
+    ap.add_argument("--batch", type=int, default=4)
+    args = ap.parse_args()
+    names = args.variants.split(",")
+    for name in names:
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}; valid: {sorted(VARIANTS)}")
+    scale = args.scale if DEVICE == "cuda" else "debug"
+    seq, layers = SCALES[scale][1], SCALES[scale][2]
+    batch = args.batch if DEVICE == "cuda" else 1
+    for name in names:
+        kw = dict(VARIANTS[name])
+        kw.pop("full_routing_group", None)
+        if kw.get("block_size") == "8blocks":
+            kw["block_size"] = 2 * layers // 8
+        cfg = ModelConfig.from_name(scale, **kw)
+        torch.manual_seed(0)
+        with torch.device(DEVICE):
+            model = LM(cfg)
+        g = torch.Generator().manual_seed(0)
+        for site in model.routing_sites():  # trained-like routing: non-uniform weights, open gates
+            site.query.data.copy_(torch.randn(site.query.shape, generator=g) * 0.5)
+            if site.gate is not None:
+                site.gate.data.copy_(torch.randn(site.gate.shape, generator=g) * 0.5)
+        idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(DEVICE)
+        x, y = idx[:, :-1], idx[:, 1:]
+        with use_backend("triton"):
+            loss32, g32 = gradients(model, x, y, autocast=False, fused=True)
+            loss_f, g_f = gradients(model, x, y, autocast=True, fused=True)
+            loss_u, g_u = gradients(model, x, y, autocast=True, fused=False)
+        routed = [n for n in g32 if "site" in n]
+        print(
+            f"{scale} {name}: loss float32 {loss32:.6f}; bf16 fused {loss_f - loss32:+.2e}, unfused {loss_u - loss32:+.2e}; "
+            f"gradients vs float32: fused {rel(g_f, g32, g32):.3e}, unfused {rel(g_u, g32, g32):.3e}; "
+            f"routing parameters: fused {rel(g_f, g32, routed):.3e}, unfused {rel(g_u, g32, routed):.3e}",
+            flush=True,
+        )
+        del model
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
