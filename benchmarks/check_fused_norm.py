@@ -69,8 +69,8 @@ def main() -> None:
         with torch.device(DEVICE):
             model = LM(cfg)
         g = torch.Generator().manual_seed(0)
-        for site in model.routing_sites():  # trained-like routing: non-uniform weights, open gates
-            site.query.data.copy_(torch.randn(site.query.shape, generator=g) * 0.5)
+        for site in model.routing_sites():  # non-uniform routing (scores of about unit spread per head), open gates
+            site.query.data.copy_(torch.randn(site.query.shape, generator=g) * (site.heads / cfg.d_model) ** 0.5)
             if site.gate is not None:
                 site.gate.data.copy_(torch.randn(site.gate.shape, generator=g) * 0.5)
         idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(DEVICE)

@@ -37,6 +37,11 @@ DECODE_PREFIX_MIN_SOURCES = 16
 # saved for the norm's backward (BENCHMARKS.md, seventh set: block MHAR at 350m 0.939 against 0.918
 # x prenorm, peak memory 1.002 against 1.061). A benchmark knob (False: merge, then the norm module).
 FUSED_NORM = True
+# ... except for the additive form in full routing (S = 1), where the fused backward of merges over
+# up to 7 newer sources, with the stream in its norm, holds one program per SM instead of two and
+# measured slower: Delta full 0.605 against 0.617 x prenorm at 350m, 0.616 against 0.636 at 100m
+# (Delta block: 0.842 against 0.832, 0.764 against 0.755; BENCHMARKS.md, seventh set). A knob.
+FUSED_NORM_ADDITIVE_FULL = False
 
 
 class DepthHistory:
@@ -133,11 +138,15 @@ class DepthHistory:
         """``norm(route(site, stream))`` ``[..., d]``: the input of the sublayer after ``site``.
 
         With two-phase routing and ``norm`` an ``nn.RMSNorm`` with a weight, the second phase and
-        the norm run as one op (:func:`lit_mhar.kernels.merge_route_norm`, ``FUSED_NORM``): the
+        the norm run as one op (:func:`lit_mhar.kernels.merge_route_norm`, ``FUSED_NORM``; not for
+        the additive form in full routing unless ``FUSED_NORM_ADDITIVE_FULL``): the
         result, in the sources' dtype, is the norm of the unrounded site output. Otherwise the
         site's output goes through ``norm`` as a module call.
         """
-        fused = FUSED_NORM and self.two_phase and isinstance(norm, nn.RMSNorm) and norm.weight is not None
+        fused = (
+            FUSED_NORM and self.two_phase and isinstance(norm, nn.RMSNorm) and norm.weight is not None
+            and (site.gate is None or self.block_size > 1 or FUSED_NORM_ADDITIVE_FULL)
+        )
         if not fused:
             return norm(self.route(site, stream))
         prior_out, prior_lse, newer = self._phase_two_inputs()
