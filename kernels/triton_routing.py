@@ -10,7 +10,12 @@ additive form), extended in two ways that the model's Block AttnRes path uses:
 * **a prior**: a routed value ``o`` with its log-sum-exp ``lse`` per head, merged as if it were one
   more source whose score is ``lse`` (the second, online-softmax phase, which adds the block in
   progress). Merging is exact: softmax over {completed blocks, partial} equals the lse-weighted mix
-  of the softmax over the completed blocks and the partial.
+  of the softmax over the completed blocks and the partial;
+* **the next RMSNorm fused into a merge** (``NORM``, :func:`merge_route_norm`): the merge writes
+  ``RMSNorm(x) * weight`` of its output ``x`` (``r``, or ``stream + gate * r``) instead of ``x``,
+  and its backward recomputes ``x`` from the prior and the sources (and the stream), applies the
+  norm's backward and sums the weight's gradient per program, so neither ``x`` nor the norm's
+  input is written or saved.
 
 Forward, per tile of ``BM`` tokens and a group of ``FWD_SITES`` sites (the groups of a pass are
 programs side by side, so a source tile is read from HBM once and from L2 by the other groups), one
