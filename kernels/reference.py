@@ -193,16 +193,20 @@ def check_merge_norm_args(
     check_route_args(list(sources) or [prior_out], query, gain, heads, stream, gate)
     if sources and sources[0].shape != prior_out.shape:
         raise ValueError(f"merge_route_norm: prior_out has shape {tuple(prior_out.shape)}, the sources {tuple(sources[0].shape)}")
+    if prior_out.device != query.device:
+        raise ValueError(f"merge_route_norm: prior_out is on {prior_out.device}, the query on {query.device}; all on one device")
     want = (*prior_out.shape[:-1], heads)
     if not isinstance(prior_lse, Tensor) or tuple(prior_lse.shape) != want or prior_lse.device != prior_out.device:
         raise ValueError(f"merge_route_norm: prior_lse must be a {want} tensor on {prior_out.device}, got {getattr(prior_lse, 'shape', prior_lse)!r}")
+    if not prior_lse.is_floating_point():
+        raise ValueError(f"merge_route_norm: prior_lse has dtype {prior_lse.dtype}; expected a floating dtype")
     if not isinstance(norm_weight, Tensor) or tuple(norm_weight.shape) != (d,) or norm_weight.device != prior_out.device:
         raise ValueError(f"merge_route_norm: norm_weight must be a ({d},) tensor on {prior_out.device}, got {getattr(norm_weight, 'shape', norm_weight)!r}")
     if not norm_weight.is_floating_point():
         raise ValueError(f"merge_route_norm: norm_weight has dtype {norm_weight.dtype}; expected a floating dtype")
-    for name, value in (("norm_eps", norm_eps), ("eps", eps)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-            raise ValueError(f"merge_route_norm: {name}={value!r} must be a finite number >= 0")
+    for name, value in (("norm_eps", norm_eps), ("eps", eps)):  # > 0: a token of zeros (or a padding row) stays finite
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"merge_route_norm: {name}={value!r} must be a finite number > 0")
 
 
 def merge_route_norm(
@@ -234,9 +238,9 @@ def merge_route_norm(
         sources: N >= 0 tensors ``[..., d]`` added since phase one (one shape and device).
         query, gain: ``[d]`` the site's pseudo-query and key-norm gain. heads: H dividing d.
         prior_out: ``[..., d]`` phase one's routed value; prior_lse ``[..., H]`` its log-sum-exp.
-        norm_weight: ``[d]`` the RMSNorm's weight; norm_eps: its epsilon (>= 0).
+        norm_weight: ``[d]`` the RMSNorm's weight; norm_eps: its epsilon (> 0).
         stream, gate: ``[..., d]`` and ``[d]``, the additive form (Delta AttnRes), or both None.
-        eps: the key RMSNorm epsilon.
+        eps: the key RMSNorm epsilon (> 0).
 
     Returns:
         ``y`` ``[..., d]`` in the dtype of ``prior_out`` promoted with the sources (not with

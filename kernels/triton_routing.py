@@ -1309,7 +1309,10 @@ def route_fwd(
 def _(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, norm_eps):
     like = sources[0] if sources else prior_out
     lead = like.shape[:-1]
-    outs = [stream.new_empty(like.shape)] if stream is not None else [like.new_empty(like.shape) for _ in range(queries.shape[0])]
+    if stream is not None:  # as _forward: the fused norm's output in the sources' dtype, else the stream's
+        outs = [like.new_empty(like.shape) if norm_weight is not None else stream.new_empty(like.shape)]
+    else:
+        outs = [like.new_empty(like.shape) for _ in range(queries.shape[0])]
     lse = like.new_empty((queries.shape[0], *lead, heads), dtype=torch.float32)
     scores = like.new_empty((len(sources), *lead, heads) if store_scores else (0,), dtype=torch.float32)
     saves = bool(save_rstd) and len(sources) > 0
@@ -1558,6 +1561,7 @@ def merge_route_norm(
     weight's gradient is summed per persistent program and reduced in a fixed order (deterministic).
     """
     check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate)
+    _check_dtypes([prior_out])
     srcs = _common_dtype(sources) if sources else []
     if srcs and srcs[0].dtype != prior_out.dtype:
         dtype = torch.promote_types(srcs[0].dtype, prior_out.dtype)

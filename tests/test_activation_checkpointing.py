@@ -92,7 +92,9 @@ def test_checkpointing_gives_the_gradients_of_the_plain_backward(residual, heads
     assert all(grads[n].abs().sum() > 0 for n in grads if "_hc." in n) and (residual == "hyper") == any("_hc." in n for n in grads)
 
 
-@pytest.mark.parametrize("residual,heads,block_size", [("attnres", 2, 3), ("delta", 2, 1)], ids=["block-mhar-two-phase", "delta-full"])
+@pytest.mark.parametrize(
+    "residual,heads,block_size", [("attnres", 2, 3), ("delta", 2, 1), ("delta", 2, 3)], ids=["block-mhar-two-phase", "delta-full", "delta-block-fused-norm"]
+)
 def test_checkpointing_on_the_fused_kernels_recomputes_them_exactly(residual, heads, block_size):
     """Two-phase block routing's phase one runs outside the recomputed region; everything matches bit for bit."""
     with use_backend("triton"):  # Triton's interpreter on CPU, the compiled kernels on a GPU

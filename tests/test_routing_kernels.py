@@ -448,7 +448,10 @@ def test_merge_route_norm_refuses_bad_arguments(impl):
         for bad, match in [
             (dict(norm_weight=torch.ones(7, device=DEVICE)), r"norm_weight must be a \(8,\) tensor"),
             (dict(norm_weight=torch.ones(8, dtype=torch.int64, device=DEVICE)), "norm_weight has dtype torch.int64"),
-            (dict(norm_eps=-1.0), "norm_eps=-1.0 must be a finite number"),
+            (dict(norm_eps=-1.0), "norm_eps=-1.0 must be a finite number > 0"),
+            (dict(norm_eps=0.0), "norm_eps=0.0 must be a finite number > 0"),
+            (dict(eps=0), "eps=0 must be"),
+            (dict(prior_lse=torch.zeros(3, 2, dtype=torch.int64, device=DEVICE)), "prior_lse has dtype torch.int64"),
             (dict(norm_eps=float("nan")), "norm_eps=nan"),
             (dict(eps=float("inf")), "eps=inf"),
             (dict(prior_lse=torch.randn(3, 4, device=DEVICE)), r"prior_lse must be a \(3, 2\) tensor"),
@@ -699,6 +702,11 @@ def test_custom_ops_pass_opcheck():
     lse4 = torch.ops.lit_mhar.route_fwd(*args4)[1].detach()
     bwd_args = (*bwd_args[:5], gate.detach(), *bwd_args[6:8], lse4, *bwd_args[9:14], stream)
     torch.library.opcheck(torch.ops.lit_mhar.route_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
+    # bf16 sources and prior with a float32 stream (Delta under autocast): the output is bf16, also in the fake
+    half = [s.detach().bfloat16().requires_grad_() for s in sources]
+    args5 = (half, *args4[1:7], prior.detach().bfloat16(), *args4[8:])
+    assert torch.ops.lit_mhar.route_fwd(*args5)[0].dtype == torch.bfloat16
+    torch.library.opcheck(torch.ops.lit_mhar.route_fwd, args5, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     # the decode ops (no autograd): phase one of a group, and a site merging its prior
     history = torch.randn(6, 3, 64, device=DEVICE)
     queries, gains = torch.randn(2, 64, device=DEVICE), torch.ones(2, 64, device=DEVICE)
