@@ -79,6 +79,7 @@ KNOBS = {
     "src-rstd0": {(TR, "SPLIT_SOURCES_RSTD_HEADS"): 0},  # pass two recomputes the key rstd at split widths
     "unfused-norm": {("lit_mhar.routing", "FUSED_NORM"): False},  # the merge, then the RMSNorm module (two ops)
     "fused-norm-all": {("lit_mhar.routing", "FUSED_NORM_ADDITIVE_FULL"): True},  # Delta full routing fused too
+    "no-sink": {("lit_mhar.routing", "SINK_SOURCE_GRADIENTS"): False},  # autograd sums the source gradients (addition kernels)
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "mfu_measured",
           "peak_mem_GiB", "mem_ratio_vs_prenorm", "loss", "compile_s", "matmul_TFLOPs", "status", "note"]

@@ -20,6 +20,7 @@ from torch import Tensor
 from lit_mhar.kernels import reference
 from lit_mhar.kernels.reference import check_route_args
 from lit_mhar.kernels.reference import depth_route as reference_depth_route
+from lit_mhar.kernels.sink import GradientSink
 
 BACKENDS = ("auto", "reference", "triton")
 _backend = os.environ.get("LIT_MHAR_ROUTING_BACKEND", "auto")
@@ -69,22 +70,24 @@ def depth_route(sources, query, gain, heads=1, stream=None, gate=None, eps=1e-6,
     return _impl(sources[0]).depth_route(sources, query, gain, heads, stream, gate, eps, return_weights)
 
 
-def route_sites(sources, queries, gains, heads=1, eps=1e-6):
+def route_sites(sources, queries, gains, heads=1, eps=1e-6, grad_sink=None):
     """Dispatching first phase of two-phase Block AttnRes; see :func:`lit_mhar.kernels.reference.route_sites`."""
     if len(sources) == 0:
         check_route_args(sources, queries[0], gains[0], heads, None, None)
-    return _impl(sources[0]).route_sites(sources, queries, gains, heads, eps)
+    return _impl(sources[0]).route_sites(sources, queries, gains, heads, eps, grad_sink)
 
 
-def merge_route(sources, query, gain, heads, prior_out, prior_lse, stream=None, gate=None, eps=1e-6):
+def merge_route(sources, query, gain, heads, prior_out, prior_lse, stream=None, gate=None, eps=1e-6, grad_sink=None):
     """Dispatching second phase (online-softmax merge); see :func:`lit_mhar.kernels.reference.merge_route`."""
-    return _impl(prior_out).merge_route(sources, query, gain, heads, prior_out, prior_lse, stream, gate, eps)
+    return _impl(prior_out).merge_route(sources, query, gain, heads, prior_out, prior_lse, stream, gate, eps, grad_sink)
 
 
-def merge_route_norm(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, stream=None, gate=None, eps=1e-6):
+def merge_route_norm(
+    sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, stream=None, gate=None, eps=1e-6, grad_sink=None
+):
     """Dispatching second phase fused with the next RMSNorm (training); see :func:`lit_mhar.kernels.reference.merge_route_norm`."""
     return _impl(prior_out, "merge_route_norm: prior_out").merge_route_norm(
-        sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, stream, gate, eps
+        sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, stream, gate, eps, grad_sink
     )
 
 
@@ -113,6 +116,7 @@ __all__ = [
     "route_sites_decode",
     "reference_depth_route",
     "check_route_args",
+    "GradientSink",
     "use_backend",
     "get_backend",
     "resolve_backend",

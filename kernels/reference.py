@@ -20,6 +20,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from lit_mhar.kernels.sink import GradientSink
+
 
 def check_route_args(
     sources: Sequence[Tensor],
@@ -121,7 +123,8 @@ def depth_route(
 
 
 def route_sites(
-    sources: Sequence[Tensor], queries: Tensor, gains: Tensor, heads: int = 1, eps: float = 1e-6
+    sources: Sequence[Tensor], queries: Tensor, gains: Tensor, heads: int = 1, eps: float = 1e-6,
+    grad_sink: Optional[GradientSink] = None,
 ) -> tuple[list[Tensor], Tensor]:
     """First phase of two-phase Block AttnRes: S routing sites against the same sources.
 
@@ -132,6 +135,9 @@ def route_sites(
         sources: N >= 1 tensors ``[..., d]`` (the completed block sums).
         queries, gains: ``[S, d]``: pseudo-query and key-norm gain of each site.
         heads, eps: as in :func:`depth_route`.
+        grad_sink: a :class:`lit_mhar.kernels.sink.GradientSink` whose collected aliases
+            ``sources`` are (a prefix, in order): the sources' gradients are added into it rather
+            than returned through autograd (the aliases hand the sums on). None: plain autograd.
 
     Returns:
         ``(outs, lse)``: S routed values ``[..., d]`` (promoted source dtype) and the log-sum-exp of
@@ -143,6 +149,9 @@ def route_sites(
     """
     if queries.dim() != 2 or gains.shape != queries.shape:
         raise ValueError(f"route_sites: queries {tuple(queries.shape)} and gains {tuple(gains.shape)} must both be [S, d]")
+    if grad_sink is not None:
+        check_route_args(sources, queries[0], gains[0], heads, None, None)
+        sources = grad_sink.feed(sources, "route_sites")
     outs, lses = [], []
     for q, g in zip(queries, gains):
         check_route_args(sources, q, g, heads, None, None)
@@ -162,6 +171,7 @@ def merge_route(
     stream: Optional[Tensor] = None,
     gate: Optional[Tensor] = None,
     eps: float = 1e-6,
+    grad_sink: Optional[GradientSink] = None,
 ) -> Tensor:
     """Second phase: route over {the sources behind ``prior_out``} and ``sources`` exactly.
 
@@ -169,7 +179,7 @@ def merge_route(
     softmax as one more source whose score is ``prior_lse`` (online-softmax merge), so
     ``merge_route(B, q, g, H, *route_sites(A, q[None], g[None], H))`` equals
     ``depth_route(A + B, q, g, H)``. ``sources`` may be empty (then ``out = prior_out``, or
-    ``stream + gate * prior_out``).
+    ``stream + gate * prior_out``). ``grad_sink``: as in :func:`route_sites`.
 
     Returns:
         ``[..., d]`` in the dtype of ``stream`` when given, else of ``prior_out`` promoted with the sources.
@@ -178,6 +188,8 @@ def merge_route(
         check_route_args(sources, query, gain, heads, stream, gate)
     elif (stream is None) != (gate is None):
         raise ValueError("merge_route: stream and gate go together (additive form) or are both None")
+    if grad_sink is not None:
+        sources = grad_sink.feed(sources, "merge_route")
     out, _ = _route_with_prior(sources, query, gain, heads, (prior_out, prior_lse), (stream, gate), eps)
     return out
 
@@ -221,6 +233,7 @@ def merge_route_norm(
     stream: Optional[Tensor] = None,
     gate: Optional[Tensor] = None,
     eps: float = 1e-6,
+    grad_sink: Optional[GradientSink] = None,
 ) -> Tensor:
     """Second phase of two-phase routing fused with the next sublayer's RMSNorm (training).
 
@@ -241,6 +254,7 @@ def merge_route_norm(
         norm_weight: ``[d]`` the RMSNorm's weight; norm_eps: its epsilon (> 0).
         stream, gate: ``[..., d]`` and ``[d]``, the additive form (Delta AttnRes), or both None.
         eps: the key RMSNorm epsilon (> 0).
+        grad_sink: as in :func:`route_sites` (the sources' gradients go into the sink).
 
     Returns:
         ``y`` ``[..., d]`` in the dtype of ``prior_out`` promoted with the sources (not with
@@ -252,6 +266,8 @@ def merge_route_norm(
             without ``gate`` or the reverse.
     """
     check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate)
+    if grad_sink is not None:
+        sources = grad_sink.feed(sources, "merge_route_norm")
     routed, _ = _route_with_prior(sources, query, gain, heads, (prior_out, prior_lse), None, eps, round_out=False)
     if stream is not None:
         routed = stream.to(routed.dtype) + gate.to(routed.dtype) * routed

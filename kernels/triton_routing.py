@@ -75,6 +75,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lit_mhar.kernels.reference import check_decode_args, check_merge_norm_args, check_route_args, check_sites_decode_args
+from lit_mhar.kernels.sink import GradientSink, SinkBinding
 
 # Largest padded width (next power of two of d) one program keeps in registers.
 MAX_BLOCK_D = 16384
@@ -288,13 +289,16 @@ def _route_bwd(
     lse_ptr, dlse_ptr,
     gate_ptr,
     prior_ptr, prior_lse_ptr,
-    dsrc_ptr, dw_ptr, dgate_ptr, dprior_ptr, dprior_lse_ptr,
+    dsrc_base, dsrc_offs, acc_base, acc_offs, n_acc,
+    dw_ptr, dgate_ptr, dprior_ptr, dprior_lse_ptr,
     nw_ptr, dnw_ptr, stream_ptr, dstream_ptr,
     M, eps, num_tiles, norm_eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr, PF: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
-    ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_DLSE: tl.constexpr, NORM: tl.constexpr,
+    ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_DLSE: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
 ):
+    # Source i's gradient goes to dsrc_base + dsrc_offs[i]; with ACC, sources i < n_acc add to it
+    # acc_base + acc_offs[i] (a gradient sink's sum so far, see _route_bwd_sources).
     # Every lane tensor has a twin ``*_t`` over each head's last DT channels when DT > 0 (see
     # _route_fwd); sums over a head add the two.
     pid = tl.program_id(0)
@@ -506,13 +510,20 @@ def _route_bwd(
             dv = tl.reduce(alpha * dr, 0, _ADD, keep_dims=True)  # through the weighted sum
             dv += rstd * tl.reduce(ds * w, 0, _ADD, keep_dims=True)  # through the score
             dv -= v * (rstd * rstd * t)  # through the key's rstd
-            tl.store(dsrc_ptr + tl.cast(i, tl.int64) * M * D + x_off, dv.to(dsrc_ptr.dtype.element_ty), mask=xmask)
+            d_off = tl.multiple_of(tl.load(dsrc_offs + i), ALIGN)
+            if ACC:
+                a_off = tl.multiple_of(tl.load(acc_offs + i), ALIGN)
+                acc_rows = rows < tl.where(i < n_acc, M, 0)
+                dv += tl.load(acc_base + a_off + x_off, mask=acc_rows & cmask, other=0.0).to(tl.float32)
+            tl.store(dsrc_base + d_off + x_off, dv.to(dsrc_base.dtype.element_ty), mask=xmask)
             dw_acc += tl.reduce(ds * (v * rstd), 1, _ADD, keep_dims=True)
             if DT > 0:
                 dv_t = tl.reduce(alpha * dr_t, 0, _ADD, keep_dims=True)
                 dv_t += rstd * tl.reduce(ds * w_t, 0, _ADD, keep_dims=True)
                 dv_t -= v_t * (rstd * rstd * t)
-                tl.store(dsrc_ptr + tl.cast(i, tl.int64) * M * D + x_off_t, dv_t.to(dsrc_ptr.dtype.element_ty), mask=hmask)
+                if ACC:
+                    dv_t += tl.load(acc_base + a_off + x_off_t, mask=acc_rows & (h_i < H), other=0.0).to(tl.float32)
+                tl.store(dsrc_base + d_off + x_off_t, dv_t.to(dsrc_base.dtype.element_ty), mask=hmask)
                 dw_acc_t += tl.reduce(ds * (v_t * rstd), 1, _ADD, keep_dims=True)
 
     tl.store(dw_ptr + (pid * n_sites + s_i).to(tl.int64) * D + col, dw_acc, mask=smask & cmask)
@@ -679,16 +690,19 @@ def _route_bwd_sources(
     g_base, g_offs,
     lse_ptr, dsum_ptr, sa_ptr,
     gate_ptr,
-    dsrc_ptr, rstd_ptr,
+    dsrc_base, dsrc_offs, acc_base, acc_offs, n_acc, rstd_ptr,
     M, eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr,
     BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, ADDITIVE: tl.constexpr, HAS_RSTD: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     # Site-loop backward, pass two: one program per (token tile, source), the source varying
     # fastest (the programs of a tile share the sites' gradient tiles through L2). The source tile
     # stays in registers while the sites go by:
     #   dv = sum_s alpha_s dr_s + rstd ds_s w_s - v rstd^2 sum_s sum_h ds_s s_s / d,
     # with the scores s_s and <dr_s, v>_h that pass one stored: no reduction over lanes per site.
+    # Source i's gradient goes to dsrc_base + dsrc_offs[i]; with ACC, sources i < n_acc add to it
+    # acc_base + acc_offs[i] (a gradient sink's sum so far; the same place to add in place).
     pid = tl.program_id(0)
     i = pid % n_src
     rows = tl.cast(pid // n_src, tl.int64) * BM + tl.arange(0, BM)[None, :, None, None]
@@ -748,10 +762,17 @@ def _route_bwd_sources(
         t += ds * sc
     t = tl.reduce(t, 2, _ADD, keep_dims=True)  # [1, BM, 1, 1]
     dv -= v * (rstd * rstd * t / D)
-    tl.store(dsrc_ptr + tl.cast(i, tl.int64) * M * D + x_off, dv.to(dsrc_ptr.dtype.element_ty), mask=xmask)
+    d_off = tl.multiple_of(tl.load(dsrc_offs + i), ALIGN)
+    if ACC:
+        a_off = tl.multiple_of(tl.load(acc_offs + i), ALIGN)
+        acc_rows = rows < tl.where(i < n_acc, M, 0)
+        dv += tl.load(acc_base + a_off + x_off, mask=acc_rows & cmask, other=0.0).to(tl.float32)
+    tl.store(dsrc_base + d_off + x_off, dv.to(dsrc_base.dtype.element_ty), mask=xmask)
     if DT > 0:
         dv_t -= v_t * (rstd * rstd * t / D)
-        tl.store(dsrc_ptr + tl.cast(i, tl.int64) * M * D + x_off_t, dv_t.to(dsrc_ptr.dtype.element_ty), mask=hmask)
+        if ACC:
+            dv_t += tl.load(acc_base + a_off + x_off_t, mask=acc_rows & (h_i < H), other=0.0).to(tl.float32)
+        tl.store(dsrc_base + d_off + x_off_t, dv_t.to(dsrc_base.dtype.element_ty), mask=hmask)
 
 
 def _decode_route_norm(
@@ -1107,6 +1128,18 @@ def _forward(
     return [*outs, lse, scores, rstd]
 
 
+def _source_grad_targets(sink: Optional[SinkBinding], n_src: int, like: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor], int]:
+    """``(dsrc, targets, addends, n_acc)`` for a backward kernel: without a sink a new ``[N, ..., d]``
+    gradient (``targets`` its slices, nothing to add); with one, an empty ``dsrc`` and the sink's
+    slot buffers (the kernel adds ``addends[k]`` for ``k < n_acc``; see ``GradientSink.targets``)."""
+    if sink is None:
+        dsrc = _new((n_src, *like.shape), like.dtype, like.device)
+        targets = list(dsrc.unbind(0))
+        return dsrc, targets, targets, 0
+    targets, addends, n_acc = sink.targets(like, _new)
+    return _new((0,), like.dtype, like.device), targets, addends, n_acc
+
+
 def _uses_site_loop(n_sites: int, n_src: int, has_prior: bool) -> bool:
     """Whether the backward of such a pass runs the site-loop kernels (else the two-pass kernel)."""
     return not has_prior and n_src > 0 and (n_sites >= SITE_LOOP_MIN_SITES or n_src >= SITE_LOOP_MIN_SOURCES)
@@ -1128,7 +1161,10 @@ def _backward(
     gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
     lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], rstd: Optional[Tensor] = None,
     norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0, stream: Optional[Tensor] = None,
+    sink: Optional[SinkBinding] = None,
 ) -> list[Tensor]:
+    """The fused backward (:func:`route_bwd`); with ``sink`` the source gradients are added into
+    the sink's slots inside the kernels and the first returned gradient is an empty tensor."""
     like = sources[0] if sources else prior_out
     shape, d = like.shape, like.shape[-1]
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
@@ -1136,7 +1172,7 @@ def _backward(
     interpret = device.type != "cuda"
     if _uses_site_loop(n_sites, n_src, prior_out is not None):
         empty = [_new((0,), torch.float32, device) for _ in range(2)]  # no norm: d_norm_weight, d_stream
-        return [*_backward_site_loop(sources, queries, gains, heads, eps, gate, lse, grad_outs, grad_lse, rstd), *empty]
+        return [*_backward_site_loop(sources, queries, gains, heads, eps, gate, lse, grad_outs, grad_lse, rstd, sink), *empty]
     bs, bm, warps, bh, bdh, dt = _tile("bwd", n_sites, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
     srcs = [_aligned(s) for s in sources]
@@ -1145,7 +1181,7 @@ def _backward(
     if any(g.dtype != grads[0].dtype for g in grads):
         grads = [_aligned(g.to(grads[0].dtype)) for g in grads]
     w = (queries.float() * gains.float()).contiguous()
-    dsrc = _new((n_src, *shape), like.dtype, device)
+    dsrc, targets, addends, n_acc = _source_grad_targets(sink, n_src, like) if n_src else (_new((0,), like.dtype, device), [w], [w], 0)
     dprior = _new(shape if prior_out is not None else (0,), prior_out.dtype if prior_out is not None else torch.float32, device)
     dprior_lse = _new(prior_lse.shape if prior_lse is not None else (0,), torch.float32, device)
     dummy = w
@@ -1153,7 +1189,7 @@ def _backward(
         D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, DT=dt, PF=PREFETCH["bwd"], BS=bs, BM=bm,
         ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(),
         ADDITIVE=gate is not None, HAS_PRIOR=prior_out is not None, HAS_DLSE=grad_lse is not None,
-        NORM=norm_weight is not None, num_warps=warps,
+        NORM=norm_weight is not None, ACC=n_acc > 0, num_warps=warps,
     )
 
     head = (
@@ -1163,7 +1199,7 @@ def _backward(
         lse.contiguous(), grad_lse.contiguous() if grad_lse is not None else dummy,
         gate.contiguous() if gate is not None else dummy,
         _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
-        dsrc,
+        targets[0], _offsets(targets, targets[0]), addends[0], _offsets(addends, addends[0]), n_acc,
     )
     nw = norm_weight.contiguous() if norm_weight is not None else dummy
     norm_stream = norm_weight is not None and gate is not None  # the additive form's stream enters the norm
@@ -1207,6 +1243,7 @@ def _backward(
 def _backward_site_loop(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float, gate: Optional[Tensor],
     lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], rstd: Optional[Tensor] = None,
+    sink: Optional[SinkBinding] = None,
 ) -> list[Tensor]:
     """Backward of several sites (phase one of Block AttnRes), or of one site over many sources
     (with ``gate``: the additive form), without a prior, in two kernels.
@@ -1217,7 +1254,9 @@ def _backward_site_loop(
     gradient, looping over the sites. No tile holds more than one site's gradient, so programs
     take several tokens whatever the number of sites, and the sources are spread over programs.
     ``rstd`` ``[N, tokens]`` float32, each source's key rstd as the forward computed it, spares both
-    kernels the reduction over the width; an empty tensor or None recomputes it.
+    kernels the reduction over the width; an empty tensor or None recomputes it. With ``sink`` the
+    source gradients are added into its slots ``0 .. N - 1`` inside pass two (the returned source
+    gradient is then an empty tensor).
     """
     like = sources[0]
     shape, d = like.shape, like.shape[-1]
@@ -1238,7 +1277,7 @@ def _backward_site_loop(
     src_offs, g_offs = _offsets(srcs, base), _offsets(grads, grads[0])
     dsum = _new(lse.shape, torch.float32, device)
     score_a = _new((n_sites, n_src, *lse.shape[1:], 2), torch.float32, device)  # s_i and <dr, v_i>_h per site and source
-    dsrc = _new((n_src, *shape), like.dtype, device)
+    dsrc, targets, addends, n_acc = _source_grad_targets(sink, n_src, like)
     gate_c = gate.contiguous() if gate is not None else w
     geometry = dict(D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, DT=dt, ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size())
     lse = lse.contiguous()
@@ -1267,10 +1306,10 @@ def _backward_site_loop(
     _kernel("bwd_stats", interpret)[(per_group * n_groups,)](*stats_args(dw, dgate if gate is not None else w, per_group), **flags)
     _kernel("bwd_sources", interpret)[(triton.cdiv(M, bm_src) * n_src,)](
         base, src_offs, n_src, w, n_sites, grads[0], g_offs,
-        lse, dsum, score_a, gate_c, dsrc, rstd,
+        lse, dsum, score_a, gate_c, targets[0], _offsets(targets, targets[0]), addends[0], _offsets(addends, addends[0]), n_acc, rstd,
         M, eps,
         **geometry, BM=bm_src, ADDITIVE=gate is not None, HAS_RSTD=has_rstd and (dt == 0 or heads <= SPLIT_SOURCES_RSTD_HEADS),
-        num_warps=warps_src,
+        ACC=n_acc > 0, num_warps=warps_src,
     )
     dw = dw.view(per_group, n_sites, d).sum(0)  # fixed-order reduction over programs: deterministic
     q, g = queries.float(), gains.float()
@@ -1407,12 +1446,14 @@ class _RouteFunction(torch.autograd.Function):
     """Eager autograd of :func:`route_fwd`: the same kernels and gradients as the custom op's
     registered autograd, without the custom op's per-call argument handling (``EAGER_FUNCTION``).
 
-    ``apply(heads, eps, store_scores, save_rstd, norm_eps, queries, gains, stream, gate, prior_out, prior_lse,
-    norm_weight, *sources)`` returns the custom op's outputs as a tuple.
+    ``apply(heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse,
+    norm_weight, *sources)`` returns the custom op's outputs as a tuple. With ``sink`` (a
+    :class:`SinkBinding` of the sources) the sources' gradients are added into the sink inside the
+    backward kernels and autograd gets none for them.
     """
 
     @staticmethod
-    def forward(ctx, heads, eps, store_scores, save_rstd, norm_eps, queries, gains, stream, gate, prior_out, prior_lse, norm_weight, *sources):
+    def forward(ctx, heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight, *sources):
         outs = _forward(
             list(sources), queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, norm_eps
         )
@@ -1420,7 +1461,7 @@ class _RouteFunction(torch.autograd.Function):
         kept_stream = stream if norm_weight is not None else None  # the fused norm's backward needs the stream
         ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, norm_weight, kept_stream, outs[n_out], outs[n_out + 2], *sources)
         ctx.heads, ctx.eps, ctx.n_out, ctx.additive, ctx.n_src = heads, eps, n_out, stream is not None, len(sources)
-        ctx.norm_eps = norm_eps
+        ctx.norm_eps, ctx.sink = norm_eps, sink
         ctx.mark_non_differentiable(outs[n_out + 1], outs[n_out + 2])
         ctx.set_materialize_grads(False)
         return tuple(outs)
@@ -1428,22 +1469,30 @@ class _RouteFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the kernels' gradients are not differentiable again (as with the custom op)
     def backward(ctx, *grads):
-        res = _gradients(ctx, grads, _backward)
+        sink = ctx.sink
+        res = _gradients(ctx, grads, _backward if sink is None else functools.partial(_backward, sink=sink))
         if res is None:
-            return (None,) * (12 + ctx.n_src)
+            return (None,) * (13 + ctx.n_src)
         d_src, *rest = res
-        return (None, None, None, None, None, *rest, *d_src.unbind(0))
+        return (None, None, None, None, None, None, *rest, *(d_src.unbind(0) if sink is None else (None,) * ctx.n_src))
 
 
-def _route(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, norm_weight=None, norm_eps=0.0):
+def _route(
+    sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, norm_weight=None, norm_eps=0.0, sink=None
+):
     """:func:`route_fwd` with autograd: the custom op under ``torch.compile``, else (with
     ``EAGER_FUNCTION``) :class:`_RouteFunction`, which runs the same kernels. Whether the forward
     saves the key rstd is decided here, outside the op, so that the op's output shapes follow from
-    its arguments (torch.compile guards on the module settings read here)."""
+    its arguments (torch.compile guards on the module settings read here). ``sink``: a
+    :class:`GradientSink` of the sources, checked here (eager path only; the custom op returns the
+    gradients through autograd, which is also correct for a sink's aliases); dropped where the
+    sources were cast (the copies' gradients go back through autograd)."""
     save_rstd = _saves_rstd(sources, queries, gains, prior_out is not None)
     if EAGER_FUNCTION and not torch.compiler.is_compiling():
+        if sink is not None:
+            sink = sink.bind(sources) if sources else None
         return _RouteFunction.apply(
-            heads, eps, store_scores, save_rstd, norm_eps, queries, gains, stream, gate, prior_out, prior_lse, norm_weight, *sources
+            heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight, *sources
         )
     return torch.ops.lit_mhar.route_fwd(
         sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, float(norm_eps)
@@ -1453,6 +1502,11 @@ def _route(sources, queries, gains, heads, eps, stream, gate, prior_out, prior_l
 # ----------------------------------------------------------------------------------------------
 # Public functions: the same signatures as lit_mhar.kernels.reference
 # ----------------------------------------------------------------------------------------------
+
+
+def _sink_for(sink: Optional[GradientSink], srcs: Sequence[Tensor], sources: Sequence[Tensor]) -> Optional[GradientSink]:
+    """``sink`` where the kernels read the collected ``sources`` themselves, None where they read cast copies."""
+    return sink if sink is not None and all(a is b for a, b in zip(srcs, sources)) else None
 
 
 def _common_dtype(sources: Sequence[Tensor]) -> list[Tensor]:
@@ -1501,19 +1555,25 @@ def depth_route(
 
 
 def route_sites(
-    sources: Sequence[Tensor], queries: Tensor, gains: Tensor, heads: int = 1, eps: float = 1e-6
+    sources: Sequence[Tensor], queries: Tensor, gains: Tensor, heads: int = 1, eps: float = 1e-6,
+    grad_sink: Optional[GradientSink] = None,
 ) -> tuple[list[Tensor], Tensor]:
     """First phase of two-phase Block AttnRes: S sites routed against the same sources in one pass.
 
     Same contract as :func:`lit_mhar.kernels.reference.route_sites`: ``queries``/``gains``
     ``[S, d]``; returns S routed values ``[..., d]`` (source dtype) and their log-sum-exp
-    ``[S, ..., H]`` float32. Any number of sites: the backward loops over them.
+    ``[S, ..., H]`` float32. Any number of sites: the backward loops over them. With
+    ``grad_sink`` the site-loop backward adds each source's gradient into the sink's buffer inside
+    its kernel (no separate addition); the two-pass backward (one site, few sources) writes them
+    and the sink adds.
     """
     if queries.dim() != 2 or gains.shape != queries.shape:
         raise ValueError(f"route_sites: queries {tuple(queries.shape)} and gains {tuple(gains.shape)} must both be [S, d]")
     check_route_args(sources, queries[0], gains[0], heads, None, None)
+    if grad_sink is not None:
+        grad_sink.slots(sources)  # the bad-input error before any work
     srcs = _common_dtype(sources)
-    res = _route(srcs, queries, gains, heads, eps, None, None, None, None, False)
+    res = _route(srcs, queries, gains, heads, eps, None, None, None, None, False, sink=_sink_for(grad_sink, srcs, sources))
     S = queries.shape[0]
     return list(res[:S]), res[S]
 
@@ -1528,15 +1588,20 @@ def merge_route(
     stream: Optional[Tensor] = None,
     gate: Optional[Tensor] = None,
     eps: float = 1e-6,
+    grad_sink: Optional[GradientSink] = None,
 ) -> Tensor:
     """Second phase: merge a routed value ``prior_out`` (log-sum-exp ``prior_lse``) with more sources.
 
     Same contract as :func:`lit_mhar.kernels.reference.merge_route`; ``sources`` may be empty.
+    With ``grad_sink`` the backward kernel adds the sources' gradients into the sink.
     """
     if sources:
         check_route_args(sources, query, gain, heads, stream, gate)
+    if grad_sink is not None:
+        grad_sink.slots(sources, "merge_route")
     srcs = _common_dtype(sources) if sources else []
-    return _route(srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False)[0]
+    sink = _sink_for(grad_sink, srcs, sources)
+    return _route(srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False, sink=sink)[0]
 
 
 def merge_route_norm(
@@ -1551,6 +1616,7 @@ def merge_route_norm(
     stream: Optional[Tensor] = None,
     gate: Optional[Tensor] = None,
     eps: float = 1e-6,
+    grad_sink: Optional[GradientSink] = None,
 ) -> Tensor:
     """Second phase fused with the next sublayer's RMSNorm: one kernel forward, one backward.
 
@@ -1559,15 +1625,19 @@ def merge_route_norm(
     recomputes ``r`` from the prior and the sources, so the forward saves what the merge saves (the
     prior, its lse, the sources; the stream in the additive form), not the norm's input; the
     weight's gradient is summed per persistent program and reduced in a fixed order (deterministic).
+    With ``grad_sink`` the backward kernel adds the sources' gradients into the sink.
     """
     check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate)
     _check_dtypes([prior_out])
+    if grad_sink is not None:
+        grad_sink.slots(sources, "merge_route_norm")
     srcs = _common_dtype(sources) if sources else []
     if srcs and srcs[0].dtype != prior_out.dtype:
         dtype = torch.promote_types(srcs[0].dtype, prior_out.dtype)
         srcs, prior_out = [s.to(dtype) for s in srcs], prior_out.to(dtype)
     return _route(
-        srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False, norm_weight, float(norm_eps)
+        srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False, norm_weight, float(norm_eps),
+        sink=_sink_for(grad_sink, srcs, sources),
     )[0]
 
 

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_mhar.kernels import depth_route, merge_route, merge_route_norm, route_norm_decode, route_sites, route_sites_decode
+from lit_mhar.kernels import GradientSink, depth_route, merge_route, merge_route_norm, route_norm_decode, route_sites, route_sites_decode
 
 
 # Sites of full routing (S = 1) routed together in phase one of the two-phase computation: each
@@ -42,6 +42,13 @@ FUSED_NORM = True
 # measured slower: Delta full 0.605 against 0.617 x prenorm at 350m, 0.616 against 0.636 at 100m
 # (Delta block: 0.842 against 0.832, 0.764 against 0.755; BENCHMARKS.md, seventh set). A knob.
 FUSED_NORM_ADDITIVE_FULL = False
+
+# Two-phase routing sums the gradient of each source of the depth history (embedding, block sums,
+# running sums of the block in progress) in a GradientSink: the backward kernels of the phase-one
+# passes and of the merges add into one buffer per source, instead of autograd adding the gradients
+# of the ops that read a source with one kernel per extra use (at 8 blocks, 36 additions per step
+# for the block sums and one per running sum). Eager mode only (not under torch.compile). A knob.
+SINK_SOURCE_GRADIENTS = True
 
 
 class DepthHistory:
@@ -83,11 +90,14 @@ class DepthHistory:
             raise ValueError(f"DepthHistory: group_size={group_size} must be >= 1 (or None for the default)")
         self.block_size = block_size
         self.group_size = group_size or (block_size if block_size > 1 else FULL_ROUTING_GROUP)
-        self.blocks: list[Tensor] = [embedding]
         self.partial: Optional[Tensor] = None
         self.n_appended = 0
         self.sites = list(sites) if sites is not None else None
         self.two_phase = bool(two_phase) and self.group_size > 1 and self.sites is not None
+        # the complete sources' gradients summed over the phase-one passes (see SINK_SOURCE_GRADIENTS)
+        sink = SINK_SOURCE_GRADIENTS and self.two_phase and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        self.sink: Optional[GradientSink] = GradientSink() if sink else None
+        self.blocks: list[Tensor] = [embedding if self.sink is None else self.sink.collect(embedding)]
         # site -> (phase-one routed value, its lse, how many of self.blocks phase one covered)
         self._inter: dict[int, tuple[Tensor, Tensor, int]] = {}
         self._frozen = False  # a snapshot() for one site: read-only, routes that site any number of times
@@ -102,7 +112,10 @@ class DepthHistory:
             raise RuntimeError("DepthHistory.append: this is a snapshot(), which is read-only; append to the live history")
         if sublayer != self.n_appended:
             raise ValueError(f"DepthHistory: got sublayer {sublayer}, expected {self.n_appended} (sublayers run in order)")
-        self.partial = output if self.partial is None else self.partial + output
+        if self.sink is None:
+            self.partial = output if self.partial is None else self.partial + output
+        else:  # each running sum is a source of its own slot; the sum hands its gradient to the older one's
+            self.partial = self.sink.collect(output if self.partial is None else self.sink.sum(self.partial, output))
         self.n_appended += 1
         if self.n_appended % self.block_size == 0:
             self.blocks.append(self.partial)
@@ -132,6 +145,7 @@ class DepthHistory:
             stream=stream if site.gate is not None else None,
             gate=site.gate,
             eps=site.eps,
+            grad_sink=self.sink,
         )
 
     def route_norm(self, site: "RoutingSite", norm: nn.Module, stream: Optional[Tensor] = None) -> Tensor:
@@ -154,7 +168,7 @@ class DepthHistory:
         additive = site.gate is not None
         return merge_route_norm(
             newer, site.query, site.key_gain, site.heads, prior_out, prior_lse, norm.weight, eps,
-            stream=stream if additive else None, gate=site.gate, eps=site.eps,
+            stream=stream if additive else None, gate=site.gate, eps=site.eps, grad_sink=self.sink,
         )
 
     def _phase_two_inputs(self) -> tuple[Tensor, Tensor, list[Tensor]]:
@@ -193,7 +207,7 @@ class DepthHistory:
         group = self.sites[first:last]
         queries = torch.stack([s.query for s in group])
         gains = torch.stack([s.key_gain for s in group])
-        outs, lse = route_sites(self.blocks, queries, gains, group[0].heads, group[0].eps)
+        outs, lse = route_sites(self.blocks, queries, gains, group[0].heads, group[0].eps, grad_sink=self.sink)
         for j in range(len(group)):
             self._inter[first + j] = (outs[j], lse[j], len(self.blocks))
 

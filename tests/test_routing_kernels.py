@@ -515,6 +515,144 @@ def test_reference_two_phase_equals_plain_routing_in_float64():
         torch.testing.assert_close(outs[j], reference.depth_route(a, q[j], gain[j], 4), rtol=1e-12, atol=1e-12)
 
 
+def sink_passes(impl, n_sources, passes, heads, d, tokens, dtype, sink_on, seed=11, device=DEVICE):
+    """A depth history's backward as two-phase routing runs it: phase-one passes, pass k routing
+    ``passes[k]`` sites over the first ``k + 1 + n_sources - len(passes)`` sources (each later
+    pass reads one more, like the passes of successive blocks), then a block in progress after the
+    last pass: two sublayer outputs summed into running sums that the next sites merge (fused with
+    the norm). With ``sink_on`` through a GradientSink. Returns the gradients of the sources, the
+    two outputs, queries and gains of a random linear function of every output and lse."""
+    from lit_mhar.kernels import GradientSink
+
+    g = torch.Generator().manual_seed(seed)
+    math = torch.float64 if dtype == torch.float64 else torch.float32
+    leaves = [(torch.randn(tokens, d, generator=g) * (0.5 + i % 3)).to(device, dtype).requires_grad_() for i in range(n_sources + 2)]
+    qs = [(2.0 * (heads / d) ** 0.5 * torch.randn(s, d, generator=g)).to(device, math).requires_grad_() for s in passes]
+    gs = [(1 + 0.3 * torch.randn(s, d, generator=g)).to(device, math).requires_grad_() for s in passes]
+    nw = (1 + 0.3 * torch.randn(d, generator=g)).to(device, math)
+    sink = GradientSink() if sink_on else None
+    collect = sink.collect if sink_on else (lambda x: x)
+    srcs = [collect(x) for x in leaves[:n_sources]]
+    loss = sum((x.double() * 0.1).sum() for x in srcs)  # a use of each source outside the routing ops too
+
+    def use(t):
+        return (t.double() * torch.randn(t.shape, generator=g, dtype=torch.float64).to(device)).sum()
+
+    first = n_sources - len(passes) + 1
+    for k, (q, gn) in enumerate(zip(qs, gs)):
+        outs, lse = impl.route_sites(srcs[: first + k], q, gn, heads, grad_sink=sink)
+        loss = loss + sum(use(o) for o in outs) + use(lse)
+    # the block in progress: its sites 1 and 2 merge the running sums with the last pass's sites
+    q, gn = qs[-1], gs[-1]
+    partial = collect(leaves[n_sources])
+    for j in (1, 2):
+        if j < len(outs):
+            loss = loss + use(impl.merge_route_norm([partial], q[j], gn[j], heads, outs[j], lse[j], nw, 1e-5, grad_sink=sink))
+        if j == 1:
+            output = leaves[n_sources + 1]
+            partial = collect(sink.sum(partial, output) if sink_on else partial + output)
+    loss = loss + use(partial)
+    return torch.autograd.grad(loss, leaves + qs + gs)
+
+
+@pytest.mark.parametrize(
+    "n_sources,passes,heads,d,tokens,dtype",
+    [(4, (3, 2, 3), 2, 64, 37, torch.float32), (9, (2, 3), 4, 96, 70, torch.bfloat16), (3, (1, 1, 1), 1, 48, 13, torch.float32)],
+    # (1, 1, 1): one site over 1-3 sources takes the two-pass backward; the others the site loop
+    ids=["site-loop-fp32", "site-loop-9-sources-bf16", "two-pass-fp32"],
+)
+@pytest.mark.parametrize("impl", [reference, tr], ids=["reference", "triton"])
+def test_gradient_sink_sums_source_gradients_like_autograd(monkeypatch, impl, n_sources, passes, heads, d, tokens, dtype):
+    """Source gradients summed in a GradientSink over the phase-one passes and merges that read
+    them (the Triton kernels add inside) against float64 plain autograd; and the kernels really
+    added into the sink's buffers."""
+    from lit_mhar.kernels import GradientSink
+
+    seen = []
+    original = GradientSink.targets
+
+    def targets(self, slots, like, new=None):
+        out = original(self, slots, like, new)
+        seen.append((len(slots), out[2]))
+        return out
+
+    monkeypatch.setattr(GradientSink, "targets", targets)
+    with use_backend("triton" if impl is tr else "reference"):
+        got = sink_passes(impl, n_sources, passes, heads, d, tokens, dtype, True)
+        plain = sink_passes(impl, n_sources, passes, heads, d, tokens, dtype, False)
+    ref = sink_passes(reference, n_sources, passes, heads, d, tokens, torch.float64, False)
+    for a, b, r in zip(got, plain, ref):
+        assert rel_err(a, r) < TOL[dtype], rel_err(a, r)
+        assert rel_err(a, r) < 2 * rel_err(b, r) + 1e-12, (rel_err(a, r), rel_err(b, r))
+    # every Triton backward asked the sink where to put its source gradients, in reverse order of
+    # the forward: the merges (one running sum each: the second's holds nothing yet, the first's
+    # what the sum after it handed on, added in the kernel), then the passes (a pass reads a prefix
+    # of what later passes read: all of its slots hold a sum already, except for the last pass);
+    # the reference leaves the sums to add()
+    sizes = [n_sources - len(passes) + 1 + k for k in range(len(passes))]
+    merges = [[], [(1, 1)], [(1, 0), (1, 1)]][min(passes[-1], 3) - 1]
+    expected = merges + [(n, 0 if k == len(sizes) - 1 else n) for k, n in enumerate(sizes)][::-1]
+    assert seen == (expected if impl is tr else [])
+
+
+SINK_GPU = [
+    (n, passes, h, d, 1037, dt)
+    for n, passes, h, d, dt in itertools.product((9, 17), ((6, 6, 6), (1, 1, 3)), (1, 8), (96, 1024, 1280), (torch.float32, torch.bfloat16))
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_sources,passes,heads,d,tokens,dtype", SINK_GPU, ids=[f"N{c[0]}-passes{'-'.join(map(str, c[1]))}-H{c[2]}-d{c[3]}-{str(c[5]).split('.')[-1]}" for c in SINK_GPU])
+def test_gradient_sink_sums_source_gradients_like_autograd_full_grid(monkeypatch, n_sources, passes, heads, d, tokens, dtype):
+    test_gradient_sink_sums_source_gradients_like_autograd(monkeypatch, tr, n_sources, passes, heads, d, tokens, dtype)
+
+
+@pytest.mark.parametrize("impl", [reference, tr], ids=["reference", "triton"])
+def test_gradient_sink_refuses_sources_it_did_not_collect(impl):
+    from lit_mhar.kernels import GradientSink
+
+    sink = GradientSink()
+    a, b = torch.randn(5, 32, device=DEVICE), torch.randn(5, 32, device=DEVICE)
+    collected = [sink.collect(a), sink.collect(b)]
+    q, gn = torch.randn(2, 32, device=DEVICE), torch.ones(2, 32, device=DEVICE)
+    with use_backend("triton" if impl is tr else "reference"):
+        for bad in ([a], [collected[1], a], [collected[0], collected[0]]):
+            with pytest.raises(ValueError, match="grad_sink"):
+                impl.route_sites(bad, q, gn, 2, grad_sink=sink)
+            outs, lse = impl.route_sites(collected, q, gn, 2)
+            for merge in (impl.merge_route, lambda *args, **kw: impl.merge_route_norm(*args[:6], torch.ones(32, device=DEVICE), 1e-5, **kw)):
+                with pytest.raises(ValueError, match="grad_sink"):
+                    merge(bad, q[0], gn[0], 2, outs[0], lse[0], grad_sink=sink)
+        impl.route_sites(collected[1:], q, gn, 2, grad_sink=sink)  # any collected aliases, each once
+
+
+@pytest.mark.parametrize("residual,block_size", [("attnres", 3), ("delta", 2), ("attnres", 1)], ids=["block-S3", "delta-block-S2", "full"])
+def test_model_gradient_sink_matches_autograd_summation(monkeypatch, residual, block_size):
+    """The model's two-phase routing with the sink (default) against SINK_SOURCE_GRADIENTS off:
+    same loss, gradients equal to float32 rounding; the sink is dropped when gradients are off."""
+    from lit_mhar import routing
+
+    model = tiny_model(residual, 4, block_size, n_layer=5)
+    idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    results = []
+    for on in (True, False):
+        monkeypatch.setattr(routing, "SINK_SOURCE_GRADIENTS", on)
+        model.zero_grad()
+        with use_backend("triton"):
+            loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_on, g_on), (loss_off, g_off) = results
+    assert torch.equal(loss_on, loss_off) and g_on.keys() == g_off.keys()
+    for name in g_on:
+        torch.testing.assert_close(g_on[name], g_off[name], rtol=1e-5, atol=1e-6, msg=name)
+    monkeypatch.setattr(routing, "SINK_SOURCE_GRADIENTS", True)
+    assert routing.DepthHistory(torch.zeros(2, 3, 8), 2, model.routing_sites(), two_phase=True).sink is not None
+    with torch.no_grad():
+        assert routing.DepthHistory(torch.zeros(2, 3, 8), 2, model.routing_sites(), two_phase=True).sink is None
+
+
 def test_backward_is_deterministic():
     with use_backend("triton"):
         sources, query, gain, stream, gate, grad = make_case(9, 4, 96, 301, torch.float32, True, seed=5)
@@ -642,7 +780,7 @@ def test_two_phase_model_calls_route_sites_once_per_block(monkeypatch):
     model = tiny_model("attnres", 2, 3, n_layer=3)  # 6 sublayers + final site = blocks {0,1,2}, {3,4,5}, {6}
     calls = []
     original = routing.route_sites
-    monkeypatch.setattr(routing, "route_sites", lambda srcs, q, *a: calls.append((len(srcs), q.shape[0])) or original(srcs, q, *a))
+    monkeypatch.setattr(routing, "route_sites", lambda srcs, q, *a, **kw: calls.append((len(srcs), q.shape[0])) or original(srcs, q, *a, **kw))
     with use_backend("triton"):
         model(torch.randint(0, 97, (1, 5)).to(DEVICE))
     assert calls == [(1, 3), (2, 3), (3, 1)]
@@ -654,7 +792,7 @@ def test_two_phase_full_routing_calls_route_sites_once_per_group(monkeypatch):
     model = tiny_model("attnres", 2, 1, n_layer=5)  # 10 sublayers + final site, groups of FULL_ROUTING_GROUP = 8
     calls = []
     original = routing.route_sites
-    monkeypatch.setattr(routing, "route_sites", lambda srcs, q, *a: calls.append((len(srcs), q.shape[0])) or original(srcs, q, *a))
+    monkeypatch.setattr(routing, "route_sites", lambda srcs, q, *a, **kw: calls.append((len(srcs), q.shape[0])) or original(srcs, q, *a, **kw))
     with use_backend("triton"):
         model(torch.randint(0, 97, (1, 5)).to(DEVICE))
     assert routing.FULL_ROUTING_GROUP == 8 and calls == [(1, 8), (9, 3)]

@@ -1,0 +1,190 @@
+"""Gradient sink: sums a depth history's source gradients over the routing passes that read them.
+
+In two-phase routing (AttnRes, Sec. 4) every complete source of the depth history (the embedding
+and each block sum; in full routing every sublayer output) is read by the phase-one pass of every
+later group of sites. Autograd sums a tensor's gradient over its uses with one addition kernel per
+extra use: at 8 blocks that is 36 additions of a ``[tokens, d]`` tensor per training step. With a
+:class:`GradientSink` the phase-one passes add their source gradients into one buffer per source
+(the Triton site-loop backward adds in place, inside the kernel that computes them) and give
+autograd no gradient for those sources; the source's alias made by :meth:`GradientSink.collect`
+hands the summed gradient to autograd. The alias is an input of every pass that read the source,
+so autograd runs its backward only after theirs: the sum is complete when it is handed on.
+
+The running sum of a block in progress is kept the same way (:meth:`GradientSink.sum`): the
+gradient reaching ``partial + output`` is handed to the partial's slot instead of being added by
+autograd to the gradient of the merge that read the partial, and the merge's backward kernel adds
+it to the gradient it computes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+
+class GradientSink:
+    """Per-source gradient buffers of one forward pass's depth history (slot = order of :meth:`collect`).
+
+    Usage: pass every source ``[..., d]`` of the depth history through :meth:`collect` (complete
+    sources and each running sum of a block in progress) and route with the returned aliases;
+    give ``grad_sink=sink`` to :func:`lit_mhar.kernels.route_sites`, :func:`~lit_mhar.kernels.merge_route`
+    or :func:`~lit_mhar.kernels.merge_route_norm` with collected aliases as sources. The result
+    equals autograd's summation up to the rounding of the sum (each addition rounds to the
+    sources' dtype, as autograd's does).
+
+    A sink belongs to one forward pass; it holds no reference to the aliases (weak references
+    only), so it keeps no graph alive. Under ``torch.compile`` the routing ops return their source
+    gradients through autograd and the aliases add nothing, which is also correct.
+    """
+
+    def __init__(self) -> None:
+        self._aliases: list[weakref.ref] = []
+        self._grads: dict[int, Tensor] = {}
+        self._owned: set[int] = set()  # slots whose buffer the sink allocated: updated in place
+
+    def __len__(self) -> int:
+        return len(self._aliases)
+
+    def collect(self, x: Tensor) -> Tensor:
+        """An alias of source ``x`` ``[..., d]`` at the next slot, whose gradient is the sum of
+        autograd's and of the gradients added into this slot. Same values, dtype and device."""
+        alias = _Collect.apply(x, self, len(self._aliases))
+        self._aliases.append(weakref.ref(alias))
+        return alias
+
+    def sum(self, partial: Tensor, output: Tensor) -> Tensor:
+        """``partial + output`` ``[..., d]`` (a block's running sum), ``partial`` a collected alias:
+        the sum's gradient goes to ``output`` through autograd and into ``partial``'s slot."""
+        (slot,) = self.slots([partial], "GradientSink.sum")
+        return _Sum.apply(partial, output, self, slot)
+
+    def slots(self, sources: Sequence[Tensor], name: str = "route_sites") -> list[int]:
+        """The slot of each of ``sources``; ValueError names any that :meth:`collect` did not return."""
+        index = {id(ref()): slot for slot, ref in enumerate(self._aliases) if ref() is not None}
+        slots = [index.get(id(s)) for s in sources]
+        bad = [i for i, slot in enumerate(slots) if slot is None]
+        if bad or len(set(slots)) != len(slots):
+            raise ValueError(
+                f"{name}: with grad_sink, every source must be an alias the sink's collect() returned, each once; "
+                f"sources {bad or 'repeated'} of {len(sources)} are not"
+            )
+        return slots
+
+    def bind(self, sources: Sequence[Tensor], name: str = "route_sites") -> "SinkBinding":
+        """The sink seen by one routing op over ``sources`` (slots checked now, before any work)."""
+        return SinkBinding(self, self.slots(sources, name))
+
+    def add(self, slot: int, grad: Tensor) -> None:
+        """Add ``grad`` (the shape of the slot's source) into ``slot``'s buffer."""
+        cur = self._grads.get(slot)
+        if cur is None:
+            self._grads[slot] = grad  # not owned: it may be shared with other gradients, never written
+        elif slot in self._owned:
+            cur.add_(grad)
+        else:
+            self._grads[slot] = cur + grad
+            self._owned.add(slot)
+
+    def targets(self, slots: Sequence[int], like: Tensor, new=None) -> tuple[list[Tensor], list[Tensor], int]:
+        """Where a kernel puts the gradients of sources in ``slots``: ``(outs, addends, n_acc)``.
+
+        The kernel adds ``addends[k]`` to source k's gradient for ``k < n_acc`` and stores the
+        result in ``outs[k]``, which becomes the slot's sum (the same tensor as the addend where the
+        sink owns the slot's buffer: in place). All are contiguous, 16-byte aligned, of ``like``'s
+        shape and dtype; a slot before the last one holding a sum that holds none adds zeros;
+        ``new(shape, dtype, device)`` allocates outputs.
+        """
+        new = new or (lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device))
+        has = [k for k, slot in enumerate(slots) if slot in self._grads]
+        n_acc = has[-1] + 1 if has else 0
+        outs, addends = [], []
+        for k, slot in enumerate(slots):
+            cur = self._grads.get(slot)
+            usable = cur is not None and cur.dtype == like.dtype and cur.shape == like.shape and cur.is_contiguous() and cur.data_ptr() % 16 == 0
+            if cur is None:
+                out = new(like.shape, like.dtype, like.device)
+                addend = torch.zeros(like.shape, dtype=like.dtype, device=like.device) if k < n_acc else out
+            elif usable and slot in self._owned:
+                out = addend = cur
+            elif usable:
+                out, addend = new(like.shape, like.dtype, like.device), cur
+            else:
+                out = addend = cur.to(like.dtype, memory_format=torch.contiguous_format, copy=True).reshape(like.shape)
+            self._grads[slot] = out
+            self._owned.add(slot)
+            outs.append(out)
+            addends.append(addend)
+        return outs, addends, n_acc
+
+    def pop(self, slot: int) -> Optional[Tensor]:
+        """The summed gradient of ``slot`` (None if nothing was added); the sink forgets it."""
+        self._owned.discard(slot)
+        return self._grads.pop(slot, None)
+
+    def feed(self, sources: Sequence[Tensor], name: str = "route_sites") -> list[Tensor]:
+        """Aliases of the collected ``sources`` (checked) whose gradients autograd adds into the
+        sink instead of passing them on: how an op without an in-kernel sum (the plain PyTorch
+        reference) routes with a sink."""
+        return list(_Feed.apply(self.bind(sources, name), *sources))
+
+
+class SinkBinding:
+    """A :class:`GradientSink` and the slots of one routing op's sources (its backward's view)."""
+
+    def __init__(self, sink: GradientSink, slots: list[int]) -> None:
+        self.sink, self.slots = sink, slots
+
+    def add(self, k: int, grad: Tensor) -> None:
+        """Add the gradient of the op's source ``k`` into its slot."""
+        self.sink.add(self.slots[k], grad)
+
+    def targets(self, like: Tensor, new=None) -> tuple[list[Tensor], list[Tensor], int]:
+        """:meth:`GradientSink.targets` of the op's sources."""
+        return self.sink.targets(self.slots, like, new)
+
+
+class _Collect(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, sink: GradientSink, slot: int) -> Tensor:
+        ctx.sink, ctx.slot = sink, slot
+        ctx.set_materialize_grads(False)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Optional[Tensor]):
+        acc = ctx.sink.pop(ctx.slot)
+        if acc is None:
+            return grad, None, None
+        return (acc if grad is None else acc + grad), None, None
+
+
+class _Sum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial: Tensor, output: Tensor, sink: GradientSink, slot: int) -> Tensor:
+        ctx.sink, ctx.slot = sink, slot
+        ctx.set_materialize_grads(False)
+        return partial + output
+
+    @staticmethod
+    def backward(ctx, grad: Optional[Tensor]):
+        if grad is not None:
+            ctx.sink.add(ctx.slot, grad)
+        return None, grad, None, None
+
+
+class _Feed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, binding: SinkBinding, *sources: Tensor):
+        ctx.binding = binding
+        ctx.set_materialize_grads(False)
+        return tuple(s.view_as(s) for s in sources)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[Tensor]):
+        for k, g in enumerate(grads):
+            if g is not None:
+                ctx.binding.add(k, g)
+        return (None, *(None for _ in grads))
