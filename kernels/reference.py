@@ -30,43 +30,49 @@ def check_route_args(
     heads: int,
     stream: Optional[Tensor],
     gate: Optional[Tensor],
+    eps: Optional[float] = None,
+    name: str = "depth_route",
 ) -> None:
-    """Validate the arguments of :func:`depth_route` before any work; raise ValueError naming the bad one."""
+    """Validate the arguments of :func:`depth_route` (or of the op ``name``, whose errors name it)
+    before any work; raise ValueError naming the bad one. ``eps``, where given, must be a finite
+    number > 0 (with 0 a source row of zeros, such as padding, gives NaN gradients)."""
     if len(sources) == 0:
-        raise ValueError("depth_route: sources is empty; a routing site needs at least one source")
+        raise ValueError(f"{name}: sources is empty; a routing site needs at least one source")
     shape = sources[0].shape
     if len(shape) == 0:
-        raise ValueError("depth_route: sources must have a channel dimension, got a scalar")
+        raise ValueError(f"{name}: sources must have a channel dimension, got a scalar")
     d = shape[-1]
     if d < 1:
-        raise ValueError(f"depth_route: sources have width d={d}; expected d >= 1")
+        raise ValueError(f"{name}: sources have width d={d}; expected d >= 1")
     device = sources[0].device
     for i, v in enumerate(sources):
         if v.shape != shape:
-            raise ValueError(f"depth_route: sources[{i}] has shape {tuple(v.shape)}, sources[0] has {tuple(shape)}")
+            raise ValueError(f"{name}: sources[{i}] has shape {tuple(v.shape)}, sources[0] has {tuple(shape)}")
         if not v.is_floating_point():
-            raise ValueError(f"depth_route: sources[{i}] has dtype {v.dtype}; expected a floating dtype")
+            raise ValueError(f"{name}: sources[{i}] has dtype {v.dtype}; expected a floating dtype")
         if v.device != device:
-            raise ValueError(f"depth_route: sources[{i}] is on {v.device}, sources[0] on {device}; all on one device")
-    for name, p in (("query", query), ("gain", gain), ("gate", gate)):
-        if p is None and name != "gate":
-            raise ValueError(f"depth_route: {name} is None; expected a ({d},) tensor")
+            raise ValueError(f"{name}: sources[{i}] is on {v.device}, sources[0] on {device}; all on one device")
+    for arg, p in (("query", query), ("gain", gain), ("gate", gate)):
+        if p is None and arg != "gate":
+            raise ValueError(f"{name}: {arg} is None; expected a ({d},) tensor")
         if p is not None and tuple(p.shape) != (d,):
-            raise ValueError(f"depth_route: {name} has shape {tuple(p.shape)}; expected ({d},)")
+            raise ValueError(f"{name}: {arg} has shape {tuple(p.shape)}; expected ({d},)")
         if p is not None and p.device != device:
-            raise ValueError(f"depth_route: {name} is on {p.device}, the sources on {device}; all on one device")
+            raise ValueError(f"{name}: {arg} is on {p.device}, the sources on {device}; all on one device")
         if p is not None and not p.is_floating_point():
-            raise ValueError(f"depth_route: {name} has dtype {p.dtype}; expected a floating dtype")
+            raise ValueError(f"{name}: {arg} has dtype {p.dtype}; expected a floating dtype")
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or d % heads:
-        raise ValueError(f"depth_route: heads={heads!r} must be a positive divisor of the width d={d}")
+        raise ValueError(f"{name}: heads={heads!r} must be a positive divisor of the width d={d}")
     if (stream is None) != (gate is None):
-        raise ValueError("depth_route: stream and gate go together (additive form) or are both None")
+        raise ValueError(f"{name}: stream and gate go together (additive form) or are both None")
     if stream is not None and stream.shape != shape:
-        raise ValueError(f"depth_route: stream has shape {tuple(stream.shape)}; expected {tuple(shape)}")
+        raise ValueError(f"{name}: stream has shape {tuple(stream.shape)}; expected {tuple(shape)}")
     if stream is not None and stream.device != device:
-        raise ValueError(f"depth_route: stream is on {stream.device}, the sources on {device}; all on one device")
+        raise ValueError(f"{name}: stream is on {stream.device}, the sources on {device}; all on one device")
     if stream is not None and not stream.is_floating_point():
-        raise ValueError(f"depth_route: stream has dtype {stream.dtype}; expected a floating dtype")
+        raise ValueError(f"{name}: stream has dtype {stream.dtype}; expected a floating dtype")
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf")):
+        raise ValueError(f"{name}: eps={eps!r} must be a finite number > 0 (the key RMSNorm epsilon)")
 
 
 def depth_route(
@@ -101,9 +107,10 @@ def depth_route(
         (float64 when the sources are float64).
 
     Raises:
-        ValueError: empty sources, mismatched shapes, H not dividing d, a stream without a gate.
+        ValueError: empty sources, mismatched shapes, H not dividing d, a stream without a gate,
+            ``eps`` not a finite number > 0.
     """
-    check_route_args(sources, query, gain, heads, stream, gate)
+    check_route_args(sources, query, gain, heads, stream, gate, eps)
     d = sources[0].shape[-1]
     dtype = sources[0].dtype
     for s in sources[1:]:
@@ -150,11 +157,11 @@ def route_sites(
     if queries.dim() != 2 or gains.shape != queries.shape:
         raise ValueError(f"route_sites: queries {tuple(queries.shape)} and gains {tuple(gains.shape)} must both be [S, d]")
     if grad_sink is not None:
-        check_route_args(sources, queries[0], gains[0], heads, None, None)
+        check_route_args(sources, queries[0], gains[0], heads, None, None, eps, "route_sites")
         sources = grad_sink.feed(sources, "route_sites")
     outs, lses = [], []
     for q, g in zip(queries, gains):
-        check_route_args(sources, q, g, heads, None, None)
+        check_route_args(sources, q, g, heads, None, None, eps, "route_sites")
         out, scores = _route_with_prior(sources, q, g, heads, None, None, eps)
         outs.append(out)
         lses.append(torch.logsumexp(scores, dim=0))
@@ -185,7 +192,7 @@ def merge_route(
         ``[..., d]`` in the dtype of ``stream`` when given, else of ``prior_out`` promoted with the sources.
     """
     if sources:
-        check_route_args(sources, query, gain, heads, stream, gate)
+        check_route_args(sources, query, gain, heads, stream, gate, eps, "merge_route")
     elif (stream is None) != (gate is None):
         raise ValueError("merge_route: stream and gate go together (additive form) or are both None")
     if grad_sink is not None:
@@ -202,7 +209,7 @@ def check_merge_norm_args(
     if not isinstance(prior_out, Tensor) or prior_out.dim() < 1 or not prior_out.is_floating_point():
         raise ValueError(f"merge_route_norm: prior_out must be a floating [..., d] tensor, got {getattr(prior_out, 'shape', prior_out)!r}")
     d = prior_out.shape[-1]
-    check_route_args(list(sources) or [prior_out], query, gain, heads, stream, gate)
+    check_route_args(list(sources) or [prior_out], query, gain, heads, stream, gate, None, "merge_route_norm")
     if sources and sources[0].shape != prior_out.shape:
         raise ValueError(f"merge_route_norm: prior_out has shape {tuple(prior_out.shape)}, the sources {tuple(sources[0].shape)}")
     if prior_out.device != query.device:
@@ -328,7 +335,7 @@ def check_decode_args(
             raise ValueError(f"route_norm_decode: pending has shape {tuple(pending.shape)}; expected {tuple(history.shape[1:])}")
         if not pending.is_floating_point() or pending.device != history.device:
             raise ValueError(f"route_norm_decode: pending must be a floating tensor on {history.device}, got {pending.dtype} on {pending.device}")
-    check_route_args([history[0]], query, gain, heads, stream, gate)
+    check_route_args([history[0]], query, gain, heads, stream, gate, None, "route_norm_decode")
     d = history.shape[-1]
     if not isinstance(norm_weight, Tensor) or tuple(norm_weight.shape) != (d,) or norm_weight.device != history.device:
         raise ValueError(f"route_norm_decode: norm_weight must be a ({d},) tensor on {history.device}, got {getattr(norm_weight, 'shape', norm_weight)!r}")
@@ -379,7 +386,7 @@ def check_sites_decode_args(history: Tensor, n_sources: int, queries: Tensor, ga
         raise ValueError(f"route_sites_decode: queries and gains must be floating, got {queries.dtype} and {gains.dtype}")
     for i in range(queries.shape[0]):
         try:
-            check_route_args([history[0]], queries[i], gains[i], heads, None, None)
+            check_route_args([history[0]], queries[i], gains[i], heads, None, None, None, "route_sites_decode")
         except ValueError as e:
             raise ValueError(f"route_sites_decode: site {i} of queries / gains: {e}") from None
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):

@@ -1545,7 +1545,7 @@ def depth_route(
         ValueError: the reference's argument errors, float64 sources, a width over the kernel's
             register budget.
     """
-    check_route_args(sources, query, gain, heads, stream, gate)
+    check_route_args(sources, query, gain, heads, stream, gate, eps)
     srcs = _common_dtype(sources)
     res = _route(srcs, query[None], gain[None], heads, eps, stream, gate, None, None, return_weights)
     if not return_weights:
@@ -1569,7 +1569,7 @@ def route_sites(
     """
     if queries.dim() != 2 or gains.shape != queries.shape:
         raise ValueError(f"route_sites: queries {tuple(queries.shape)} and gains {tuple(gains.shape)} must both be [S, d]")
-    check_route_args(sources, queries[0], gains[0], heads, None, None)
+    check_route_args(sources, queries[0], gains[0], heads, None, None, eps, "route_sites")
     if grad_sink is not None:
         grad_sink.slots(sources)  # the bad-input error before any work
     srcs = _common_dtype(sources)
@@ -1596,7 +1596,7 @@ def merge_route(
     With ``grad_sink`` the backward kernel adds the sources' gradients into the sink.
     """
     if sources:
-        check_route_args(sources, query, gain, heads, stream, gate)
+        check_route_args(sources, query, gain, heads, stream, gate, eps, "merge_route")
     if grad_sink is not None:
         grad_sink.slots(sources, "merge_route")
     srcs = _common_dtype(sources) if sources else []

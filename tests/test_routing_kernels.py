@@ -609,6 +609,23 @@ def test_gradient_sink_sums_source_gradients_like_autograd_full_grid(monkeypatch
 
 
 @pytest.mark.parametrize("impl", [reference, tr], ids=["reference", "triton"])
+@pytest.mark.parametrize("eps", [0.0, -1e-6, float("nan"), float("inf"), True])
+def test_routing_ops_refuse_a_key_epsilon_that_is_not_positive(impl, eps):
+    """eps = 0 would give NaN gradients on a source row of zeros (padding): refused, and the error
+    names the op that was called."""
+    v = [torch.randn(5, 32, device=DEVICE) for _ in range(2)]
+    q, gn = torch.randn(32, device=DEVICE), torch.ones(32, device=DEVICE)
+    with use_backend("triton" if impl is tr else "reference"):
+        with pytest.raises(ValueError, match=r"^depth_route: eps="):
+            impl.depth_route(v, q, gn, 2, eps=eps)
+        with pytest.raises(ValueError, match=r"^route_sites: eps="):
+            impl.route_sites(v, q[None], gn[None], 2, eps=eps)
+        outs, lse = impl.route_sites(v[:1], q[None], gn[None], 2)
+        with pytest.raises(ValueError, match=r"^merge_route: eps="):
+            impl.merge_route(v[1:], q, gn, 2, outs[0], lse[0], eps=eps)
+
+
+@pytest.mark.parametrize("impl", [reference, tr], ids=["reference", "triton"])
 def test_gradient_sink_refuses_sources_it_did_not_collect(impl):
     from lit_mhar.kernels import GradientSink
 
