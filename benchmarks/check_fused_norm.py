@@ -1,11 +1,13 @@
-"""Numerics of the second phase fused with the RMSNorm against the unfused path, on one GPU.
+"""Numerics of the routing kernels' bf16 paths against float32, on one GPU.
 
 For each variant, from the same weights and tokens, one forward and backward (no optimiser step):
-bf16 autocast with ``FUSED_NORM`` (the default), bf16 autocast without it (the merge, then the
-norm module), and float32 without autocast (fused; the kernels' float32 arithmetic). Prints, for
-both bf16 paths, the loss difference from float32 and the relative L2 error of all parameter
-gradients concatenated (and of the routing parameters' alone) against float32. The fused path
-should be no further from float32 than the unfused one.
+bf16 autocast with the defaults (``FUSED_NORM``, ``SINK_SOURCE_GRADIENTS``), bf16 autocast with
+the merge and the norm module as two ops (unfused), bf16 autocast with autograd summing the
+source gradients (no sink), and float32 without autocast (the defaults; the kernels' float32
+arithmetic). Prints, for each bf16 path, the loss difference from float32 and the relative L2
+error of all parameter gradients concatenated (and of the routing parameters' alone) against
+float32. The defaults should be no further from float32 than the alternatives; ``prenorm`` gives
+the baseline's own bf16 error.
 
     python benchmarks/check_fused_norm.py --scale 350m --variants mhar-block8-H8,delta-block8-H8 --batch 4
 
@@ -27,9 +29,10 @@ from lit_mhar import LM, ModelConfig, routing  # noqa: E402
 from lit_mhar.kernels import use_backend  # noqa: E402
 
 
-def gradients(model: LM, x: torch.Tensor, y: torch.Tensor, autocast: bool, fused: bool) -> tuple[float, dict]:
+def gradients(model: LM, x: torch.Tensor, y: torch.Tensor, autocast: bool, fused: bool, sink: bool = True) -> tuple[float, dict]:
     """``(loss, {name: float64 gradient})`` of one forward and backward."""
     old, routing.FUSED_NORM = routing.FUSED_NORM, fused
+    old_sink, routing.SINK_SOURCE_GRADIENTS = routing.SINK_SOURCE_GRADIENTS, sink
     try:
         model.zero_grad(set_to_none=True)
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -37,11 +40,13 @@ def gradients(model: LM, x: torch.Tensor, y: torch.Tensor, autocast: bool, fused
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()
     finally:
-        routing.FUSED_NORM = old
+        routing.FUSED_NORM, routing.SINK_SOURCE_GRADIENTS = old, old_sink
     return loss.item(), {n: p.grad.double().flatten() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def rel(a: dict, b: dict, names) -> float:
+    if not names:
+        return float("nan")  # (prenorm: no routing parameters)
     x, r = torch.cat([a[n] for n in names]), torch.cat([b[n] for n in names])
     return ((x - r).norm() / r.norm()).item()
 
@@ -79,11 +84,13 @@ def main() -> None:
             loss32, g32 = gradients(model, x, y, autocast=False, fused=True)
             loss_f, g_f = gradients(model, x, y, autocast=True, fused=True)
             loss_u, g_u = gradients(model, x, y, autocast=True, fused=False)
+            loss_n, g_n = gradients(model, x, y, autocast=True, fused=True, sink=False)
         routed = [n for n in g32 if "site" in n]
         print(
-            f"{scale} {name}: loss float32 {loss32:.6f}; bf16 fused {loss_f - loss32:+.2e}, unfused {loss_u - loss32:+.2e}; "
-            f"gradients vs float32: fused {rel(g_f, g32, g32):.3e}, unfused {rel(g_u, g32, g32):.3e}; "
-            f"routing parameters: fused {rel(g_f, g32, routed):.3e}, unfused {rel(g_u, g32, routed):.3e}",
+            f"{scale} {name}: loss float32 {loss32:.6f}; bf16 default {loss_f - loss32:+.2e}, unfused {loss_u - loss32:+.2e}, "
+            f"no sink {loss_n - loss32:+.2e}; gradients vs float32: default {rel(g_f, g32, g32):.3e}, unfused {rel(g_u, g32, g32):.3e}, "
+            f"no sink {rel(g_n, g32, g32):.3e}; routing parameters: default {rel(g_f, g32, routed):.3e}, "
+            f"unfused {rel(g_u, g32, routed):.3e}, no sink {rel(g_n, g32, routed):.3e}",
             flush=True,
         )
         del model

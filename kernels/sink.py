@@ -45,9 +45,6 @@ class GradientSink:
         self._grads: dict[int, Tensor] = {}
         self._owned: set[int] = set()  # slots whose buffer the sink allocated: updated in place
 
-    def __len__(self) -> int:
-        return len(self._aliases)
-
     def collect(self, x: Tensor) -> Tensor:
         """An alias of source ``x`` ``[..., d]`` at the next slot, whose gradient is the sum of
         autograd's and of the gradients added into this slot. Same values, dtype and device."""

@@ -581,6 +581,9 @@ def test_gradient_sink_sums_source_gradients_like_autograd(monkeypatch, impl, n_
         got = sink_passes(impl, n_sources, passes, heads, d, tokens, dtype, True)
         plain = sink_passes(impl, n_sources, passes, heads, d, tokens, dtype, False)
     ref = sink_passes(reference, n_sources, passes, heads, d, tokens, torch.float64, False)
+    # (no further from float64 than autograd's summation, up to a factor: Triton 3.9's interpreter
+    # truncates float32 to bf16 on store where torch rounds to nearest, so on the CPU the in-kernel
+    # sums of bf16 gradients land up to ~1.3x further; on an H200 the two agree, BENCHMARKS.md)
     for a, b, r in zip(got, plain, ref):
         assert rel_err(a, r) < TOL[dtype], rel_err(a, r)
         assert rel_err(a, r) < 2 * rel_err(b, r) + 1e-12, (rel_err(a, r), rel_err(b, r))
