@@ -80,11 +80,7 @@ KNOBS = {
     "unfused-norm": {("lit_mhar.routing", "FUSED_NORM"): False},  # the merge, then the RMSNorm module (two ops)
     "fused-norm-all": {("lit_mhar.routing", "FUSED_NORM_ADDITIVE_FULL"): True},  # Delta full routing fused too
     "no-sink": {("lit_mhar.routing", "SINK_SOURCE_GRADIENTS"): False},  # autograd sums the source gradients (addition kernels)
-    "bwd-ept4": {(TR, "ELEMENTS_PER_THREAD", "bwd"): 4},  # two-pass tiles of 2048 elements on 16 warps (fewer registers per thread)
-    "bwd-ept4-1024": {(TR, "TILE_ELEMENTS", "bwd"): 1024, (TR, "ELEMENTS_PER_THREAD", "bwd"): 4},  # 1024 on 8 warps
-    "stats-ept8": {(TR, "ELEMENTS_PER_THREAD", "bwd_stats"): 8},  # site loop's pass one on 8 warps
-    "src-ept8": {(TR, "ELEMENTS_PER_THREAD", "bwd_sources"): 8},  # site loop's pass two on 8 warps
-    "fwd-ept16": {(TR, "ELEMENTS_PER_THREAD", "fwd"): 16},  # forward tiles on 8 warps
+    "untuned": {(TR, "TUNED_TILES"): {}},  # tiles and warps by the general rule at every width
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "mfu_measured",
           "peak_mem_GiB", "mem_ratio_vs_prenorm", "loss", "compile_s", "matmul_TFLOPs", "status", "note"]

@@ -94,6 +94,17 @@ TILE_ELEMENTS = {"fwd": 4096, "bwd": 2048, "bwd_stats": 2048, "bwd_sources": 204
 ELEMENTS_PER_THREAD = {"fwd": 32, "bwd": 8, "bwd_stats": 16, "bwd_sources": 16}
 # Warps per program by launch kind where set (benchmarks/tune_tiles.py tries them); else from the tile.
 WARPS: dict[str, int] = {}
+# (elements, warps) of a launch kind at a padded width where measured better than the rule above
+# (benchmarks/tune_tiles.py --shapes phase1 on an H200, phase one of 8 blocks at H = 8; BENCHMARKS.md,
+# eighth set): at d = 512 (100m) and d = 1024 (350m) programs of 2 warps, 32 or 16 elements per
+# thread, took the forward from 1.048 to 0.974 ms (100m) and 0.925 to 0.841 (350m), pass one of the
+# site loop from 3.71 to 3.37 and 3.37 to 3.08, and pass two from 3.71 to 3.41 (2048 elements) and
+# 3.37 to 2.88 (1024 elements). Not used where ``WARPS`` names the kind (tuning runs).
+TUNED_TILES: dict[tuple[str, int], tuple[int, int]] = {
+    ("fwd", 512): (2048, 2), ("fwd", 1024): (2048, 2),
+    ("bwd_stats", 512): (2048, 2), ("bwd_stats", 1024): (2048, 2),
+    ("bwd_sources", 512): (2048, 2), ("bwd_sources", 1024): (1024, 2),
+}
 MAX_TILE_ELEMENTS = 8192
 # Backward passes over at least this many sites, or of one site over at least this many sources
 # (either form, no prior), use the site-loop kernels (``_backward_site_loop``), which hold one
@@ -1021,13 +1032,16 @@ def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple
             f"{bs * bd} fp32 registers per token in the two-pass backward, more than {MAX_TILE_ELEMENTS}; "
             f"route at most {max(1, MAX_TILE_ELEMENTS // bd)} sites per pass with it"
         )
+    tuned = None if interpret or kind in WARPS else TUNED_TILES.get((kind, bd))
     if interpret:
         rows = max(1, min(INTERPRET_ROWS, 65536 // (bs * bd)))
     else:
-        rows = max(1, TILE_ELEMENTS[kind] // (bs * bd))
+        rows = max(1, (tuned[0] if tuned else TILE_ELEMENTS[kind]) // (bs * bd))
     rows = 1 << (rows.bit_length() - 1)  # a power of two, rounded down
     if interpret:
         return bs, rows, 4, bh, bdh, dt
+    if tuned:
+        return bs, rows, tuned[1], bh, bdh, dt
     # warps for about ELEMENTS_PER_THREAD elements each, rounded down to a power of two (split widths are not one)
     warps = max(1, bs * rows * bd // (32 * ELEMENTS_PER_THREAD[kind]))
     warps = WARPS.get(kind, max(4, min(16, 1 << (warps.bit_length() - 1))))
