@@ -83,7 +83,7 @@ MAX_BLOCK_D = 16384
 # accumulator (forward) or of the gradient tile (backward), spread over warps (4 to 16) at
 # ``ELEMENTS_PER_THREAD`` each. Forward and site-loop sizes are the best, or within 2% of the
 # best, of each kind tried alone at 350m shapes on an H200 (benchmarks/tune_tiles.py,
-# BENCHMARKS.md): small tiles, 4 warps. The two-pass backward (the merges of two-phase routing)
+# BENCHMARKS.md): small tiles, 4 warps; at the widths in ``TUNED_TILES`` (below), 2 warps. The two-pass backward (the merges of two-phase routing)
 # takes 2048 elements on 8 warps: 80 registers per thread instead of 169 for 4096 elements on 8
 # (one program per SM, 8 resident warps, by Nsight Compute), which took block MHAR from 0.897 to
 # 0.910 x prenorm at 350m (BENCHMARKS.md, fifth set). ``MAX_TILE_ELEMENTS``
