@@ -1498,9 +1498,9 @@ def _route(
     ``EAGER_FUNCTION``) :class:`_RouteFunction`, which runs the same kernels. Whether the forward
     saves the key rstd is decided here, outside the op, so that the op's output shapes follow from
     its arguments (torch.compile guards on the module settings read here). ``sink``: a
-    :class:`GradientSink` of the sources, checked here (eager path only; the custom op returns the
-    gradients through autograd, which is also correct for a sink's aliases); dropped where the
-    sources were cast (the copies' gradients go back through autograd)."""
+    :class:`GradientSink` whose aliases the sources are (the callers check them, and drop the sink
+    where they cast the sources: the copies' gradients go back through autograd); used on the eager
+    path only: the custom op returns the gradients through autograd, also correct for the aliases."""
     save_rstd = _saves_rstd(sources, queries, gains, prior_out is not None)
     if EAGER_FUNCTION and not torch.compiler.is_compiling():
         if sink is not None:
@@ -1577,9 +1577,8 @@ def route_sites(
     Same contract as :func:`lit_mhar.kernels.reference.route_sites`: ``queries``/``gains``
     ``[S, d]``; returns S routed values ``[..., d]`` (source dtype) and their log-sum-exp
     ``[S, ..., H]`` float32. Any number of sites: the backward loops over them. With
-    ``grad_sink`` the site-loop backward adds each source's gradient into the sink's buffer inside
-    its kernel (no separate addition); the two-pass backward (one site, few sources) writes them
-    and the sink adds.
+    ``grad_sink`` the backward kernels add each source's gradient into the sink's buffer (no
+    separate addition kernel).
     """
     if queries.dim() != 2 or gains.shape != queries.shape:
         raise ValueError(f"route_sites: queries {tuple(queries.shape)} and gains {tuple(gains.shape)} must both be [S, d]")
