@@ -36,14 +36,18 @@ class GradientSink:
     sources' dtype, as autograd's does).
 
     A sink belongs to one forward pass; it holds no reference to the aliases (weak references
-    only), so it keeps no graph alive. Under ``torch.compile`` the routing ops return their source
-    gradients through autograd and the aliases add nothing, which is also correct.
+    only), so it keeps no graph alive. A routing op given no sink returns its gradients through
+    autograd, and a collected alias adds those to the slot's sum, so ops with and without the sink
+    may mix (the custom op under ``torch.compile`` takes none). A sum belongs to the backward pass
+    (autograd graph task) that wrote it: one that a backward over only some inputs left behind
+    (its alias's backward did not run) is dropped by the next backward over the graph.
     """
 
     def __init__(self) -> None:
         self._aliases: list[weakref.ref] = []
         self._grads: dict[int, Tensor] = {}
         self._owned: set[int] = set()  # slots whose buffer the sink allocated: updated in place
+        self._task: dict[int, int] = {}  # slot -> the autograd graph task that wrote its sum
 
     def collect(self, x: Tensor) -> Tensor:
         """An alias of source ``x`` ``[..., d]`` at the next slot, whose gradient is the sum of
@@ -57,6 +61,11 @@ class GradientSink:
         the sum's gradient goes to ``output`` through autograd and into ``partial``'s slot."""
         (slot,) = self.slots([partial], "GradientSink.sum")
         return _Sum.apply(partial, output, self, slot)
+
+    def holds(self, sources: Sequence[Tensor]) -> bool:
+        """Whether every one of ``sources`` is an alias :meth:`collect` returned (once each)."""
+        alive = {id(ref()) for ref in self._aliases if ref() is not None}
+        return all(id(s) in alive for s in sources) and len({id(s) for s in sources}) == len(sources)
 
     def slots(self, sources: Sequence[Tensor], name: str = "route_sites") -> list[int]:
         """The slot of each of ``sources``; ValueError names any that :meth:`collect` did not return."""
@@ -74,9 +83,16 @@ class GradientSink:
         """The sink seen by one routing op over ``sources`` (slots checked now, before any work)."""
         return SinkBinding(self, self.slots(sources, name))
 
+    def _current(self, slot: int) -> Optional[Tensor]:
+        """The slot's sum if this backward pass wrote it; a stale one is dropped."""
+        if slot in self._grads and self._task[slot] != torch._C._current_graph_task_id():
+            self.pop(slot)
+        return self._grads.get(slot)
+
     def add(self, slot: int, grad: Tensor) -> None:
         """Add ``grad`` (the shape of the slot's source) into ``slot``'s buffer."""
-        cur = self._grads.get(slot)
+        cur = self._current(slot)
+        self._task[slot] = torch._C._current_graph_task_id()
         if cur is None:
             self._grads[slot] = grad  # not owned: it may be shared with other gradients, never written
         elif slot in self._owned:
@@ -95,7 +111,8 @@ class GradientSink:
         ``new(shape, dtype, device)`` allocates outputs.
         """
         new = new or (lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device))
-        has = [k for k, slot in enumerate(slots) if slot in self._grads]
+        has = [k for k, slot in enumerate(slots) if self._current(slot) is not None]
+        task = torch._C._current_graph_task_id()
         n_acc = has[-1] + 1 if has else 0
         outs, addends = [], []
         for k, slot in enumerate(slots):
@@ -110,16 +127,19 @@ class GradientSink:
                 out, addend = new(like.shape, like.dtype, like.device), cur
             else:
                 out = addend = cur.to(like.dtype, memory_format=torch.contiguous_format, copy=True).reshape(like.shape)
-            self._grads[slot] = out
+            self._grads[slot], self._task[slot] = out, task
             self._owned.add(slot)
             outs.append(out)
             addends.append(addend)
         return outs, addends, n_acc
 
     def pop(self, slot: int) -> Optional[Tensor]:
-        """The summed gradient of ``slot`` (None if nothing was added); the sink forgets it."""
+        """The summed gradient of ``slot`` this backward pass added (None if none); the sink forgets it."""
+        stale = slot in self._grads and self._task[slot] != torch._C._current_graph_task_id()
         self._owned.discard(slot)
-        return self._grads.pop(slot, None)
+        self._task.pop(slot, None)
+        grad = self._grads.pop(slot, None)
+        return None if stale else grad
 
     def feed(self, sources: Sequence[Tensor], name: str = "route_sites") -> list[Tensor]:
         """Aliases of the collected ``sources`` (checked) whose gradients autograd adds into the

@@ -99,7 +99,7 @@ class DepthHistory:
         # the complete sources' gradients summed over the phase-one passes (see SINK_SOURCE_GRADIENTS)
         sink = SINK_SOURCE_GRADIENTS and self.two_phase and torch.is_grad_enabled() and not torch.compiler.is_compiling()
         self.sink: Optional[GradientSink] = GradientSink() if sink else None
-        self.blocks: list[Tensor] = [embedding if self.sink is None else self.sink.collect(embedding)]
+        self.blocks: list[Tensor] = [self._collect(embedding)]
         # site -> (phase-one routed value, its lse, how many of self.blocks phase one covered)
         self._inter: dict[int, tuple[Tensor, Tensor, int]] = {}
         self._frozen = False  # a snapshot() for one site: read-only, routes that site any number of times
@@ -114,14 +114,30 @@ class DepthHistory:
             raise RuntimeError("DepthHistory.append: this is a snapshot(), which is read-only; append to the live history")
         if sublayer != self.n_appended:
             raise ValueError(f"DepthHistory: got sublayer {sublayer}, expected {self.n_appended} (sublayers run in order)")
-        if self.sink is None:
-            self.partial = output if self.partial is None else self.partial + output
+        if self.partial is None:
+            self.partial = self._collect(output)
+        elif self._sink_for([self.partial]) is None:
+            self.partial = self._collect(self.partial + output)
         else:  # each running sum is a source of its own slot; the sum hands its gradient to the older one's
-            self.partial = self.sink.collect(output if self.partial is None else self.sink.sum(self.partial, output))
+            self.partial = self._collect(self.sink.sum(self.partial, output))
         self.n_appended += 1
         if self.n_appended % self.block_size == 0:
             self.blocks.append(self.partial)
             self.partial = None
+
+    def _collect(self, source: Tensor) -> Tensor:
+        """``source`` as a source of the depth history: its sink alias (eager code with a sink)."""
+        if self.sink is None or torch.compiler.is_compiling():
+            return source
+        return self.sink.collect(source)
+
+    def _sink_for(self, sources: Sequence[Tensor]) -> Optional[GradientSink]:
+        """The sink for an op over ``sources``: None under torch.compile (a block compiled on its own
+        inside an eager model) or where one of them was made there (not collected); their
+        gradients then go through autograd, which the collected aliases add to their sums."""
+        if self.sink is None or torch.compiler.is_compiling() or not self.sink.holds(sources):
+            return None
+        return self.sink
 
     def route(
         self, site: "RoutingSite", stream: Optional[Tensor] = None, return_weights: bool = False
@@ -147,7 +163,7 @@ class DepthHistory:
             stream=stream if site.gate is not None else None,
             gate=site.gate,
             eps=site.eps,
-            grad_sink=self.sink,
+            grad_sink=self._sink_for(newer),
         )
 
     def route_norm(self, site: "RoutingSite", norm: nn.Module, stream: Optional[Tensor] = None) -> Tensor:
@@ -170,7 +186,7 @@ class DepthHistory:
         additive = site.gate is not None
         return merge_route_norm(
             newer, site.query, site.key_gain, site.heads, prior_out, prior_lse, norm.weight, eps,
-            stream=stream if additive else None, gate=site.gate, eps=site.eps, grad_sink=self.sink,
+            stream=stream if additive else None, gate=site.gate, eps=site.eps, grad_sink=self._sink_for(newer),
         )
 
     def _phase_two_inputs(self) -> tuple[Tensor, Tensor, list[Tensor]]:
@@ -209,7 +225,7 @@ class DepthHistory:
         group = self.sites[first:last]
         queries = torch.stack([s.query for s in group])
         gains = torch.stack([s.key_gain for s in group])
-        outs, lse = route_sites(self.blocks, queries, gains, group[0].heads, group[0].eps, grad_sink=self.sink)
+        outs, lse = route_sites(self.blocks, queries, gains, group[0].heads, group[0].eps, grad_sink=self._sink_for(self.blocks))
         for j in range(len(group)):
             self._inter[first + j] = (outs[j], lse[j], len(self.blocks))
 

@@ -673,6 +673,55 @@ def test_model_gradient_sink_matches_autograd_summation(monkeypatch, residual, b
         assert routing.DepthHistory(torch.zeros(2, 3, 8), 2, model.routing_sites(), two_phase=True).sink is None
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_gradient_sink_backward_over_some_inputs_then_all(monkeypatch, backend):
+    """A backward over one pseudo-query (retain_graph) runs the routing ops but not every
+    source's alias, so sums stay in the sink; the next backward over the graph must not add them
+    again: both give what autograd's summation gives."""
+    from lit_mhar import routing
+
+    idx = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    results = []
+    for on in (True, False):
+        monkeypatch.setattr(routing, "SINK_SOURCE_GRADIENTS", on)
+        model = tiny_model("attnres", 2, 2, n_layer=3)
+        with use_backend(backend):
+            loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        (first,) = torch.autograd.grad(loss, [model.final_site.query], retain_graph=True)
+        loss.backward()
+        results.append((first, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (first_on, g_on), (first_off, g_off) = results
+    torch.testing.assert_close(first_on, first_off, rtol=1e-5, atol=1e-7)
+    assert g_on.keys() == g_off.keys()
+    for name in g_on:
+        torch.testing.assert_close(g_on[name], g_off[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("residual", ["attnres", "delta"])
+def test_blocks_compiled_one_by_one_match_the_eager_model(residual):
+    """Blocks compiled on their own inside the eager model (the depth history, made eagerly, has a
+    sink; the compiled code must neither trace it nor lose the gradients of what it routes)."""
+    import copy
+
+    model = tiny_model(residual, 2, 2, n_layer=3)
+    compiled = copy.deepcopy(model)
+    for block in compiled.blocks:
+        block.compile(backend="aot_eager")
+    idx = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    grads = []
+    for m in (model, compiled):
+        with use_backend("triton"):  # under compile the custom op, whose gradients bypass the sink
+            loss = torch.nn.functional.cross_entropy(m(idx).flatten(0, 1), idx.flatten())
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    torch._dynamo.reset()
+    (loss_e, g_e), (loss_c, g_c) = grads
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    assert g_c.keys() == g_e.keys()
+    for name in g_e:
+        torch.testing.assert_close(g_c[name], g_e[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_backward_is_deterministic():
     with use_backend("triton"):
         sources, query, gain, stream, gate, grad = make_case(9, 4, 96, 301, torch.float32, True, seed=5)
