@@ -1497,14 +1497,12 @@ def _route(
     """:func:`route_fwd` with autograd: the custom op under ``torch.compile``, else (with
     ``EAGER_FUNCTION``) :class:`_RouteFunction`, which runs the same kernels. Whether the forward
     saves the key rstd is decided here, outside the op, so that the op's output shapes follow from
-    its arguments (torch.compile guards on the module settings read here). ``sink``: a
-    :class:`GradientSink` whose aliases the sources are (the callers check them, and drop the sink
-    where they cast the sources: the copies' gradients go back through autograd); used on the eager
-    path only: the custom op returns the gradients through autograd, also correct for the aliases."""
+    its arguments (torch.compile guards on the module settings read here). ``sink``: the
+    :class:`SinkBinding` of the sources (the callers bind it, and drop it where they cast the
+    sources: the copies' gradients go back through autograd); used on the eager path only: the
+    custom op returns the gradients through autograd, also correct for the aliases."""
     save_rstd = _saves_rstd(sources, queries, gains, prior_out is not None)
     if EAGER_FUNCTION and not torch.compiler.is_compiling():
-        if sink is not None:
-            sink = sink.bind(sources) if sources else None
         return _RouteFunction.apply(
             heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight, *sources
         )
@@ -1518,9 +1516,14 @@ def _route(
 # ----------------------------------------------------------------------------------------------
 
 
-def _sink_for(sink: Optional[GradientSink], srcs: Sequence[Tensor], sources: Sequence[Tensor]) -> Optional[GradientSink]:
-    """``sink`` where the kernels read the collected ``sources`` themselves, None where they read cast copies."""
-    return sink if sink is not None and all(a is b for a, b in zip(srcs, sources)) else None
+def _bind(sink: Optional[GradientSink], sources: Sequence[Tensor], name: str) -> Optional[SinkBinding]:
+    """``sink``'s binding to ``sources`` (ValueError before any work for sources it did not collect), or None."""
+    return None if sink is None else sink.bind(sources, name)
+
+
+def _uncast(binding: Optional[SinkBinding], srcs: Sequence[Tensor], sources: Sequence[Tensor]) -> Optional[SinkBinding]:
+    """``binding`` where the kernels read the collected ``sources`` themselves, None where they read cast copies."""
+    return binding if binding is not None and all(a is b for a, b in zip(srcs, sources)) else None
 
 
 def _common_dtype(sources: Sequence[Tensor]) -> list[Tensor]:
@@ -1583,10 +1586,9 @@ def route_sites(
     if queries.dim() != 2 or gains.shape != queries.shape:
         raise ValueError(f"route_sites: queries {tuple(queries.shape)} and gains {tuple(gains.shape)} must both be [S, d]")
     check_route_args(sources, queries[0], gains[0], heads, None, None, eps, "route_sites")
-    if grad_sink is not None:
-        grad_sink.slots(sources)  # the bad-input error before any work
+    binding = _bind(grad_sink, sources, "route_sites")
     srcs = _common_dtype(sources)
-    res = _route(srcs, queries, gains, heads, eps, None, None, None, None, False, sink=_sink_for(grad_sink, srcs, sources))
+    res = _route(srcs, queries, gains, heads, eps, None, None, None, None, False, sink=_uncast(binding, srcs, sources))
     S = queries.shape[0]
     return list(res[:S]), res[S]
 
@@ -1610,10 +1612,9 @@ def merge_route(
     """
     if sources:
         check_route_args(sources, query, gain, heads, stream, gate, eps, "merge_route")
-    if grad_sink is not None:
-        grad_sink.slots(sources, "merge_route")
+    binding = _bind(grad_sink, sources, "merge_route")
     srcs = _common_dtype(sources) if sources else []
-    sink = _sink_for(grad_sink, srcs, sources)
+    sink = _uncast(binding, srcs, sources)
     return _route(srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False, sink=sink)[0]
 
 
@@ -1642,15 +1643,14 @@ def merge_route_norm(
     """
     check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate)
     _check_dtypes([prior_out])
-    if grad_sink is not None:
-        grad_sink.slots(sources, "merge_route_norm")
+    binding = _bind(grad_sink, sources, "merge_route_norm")
     srcs = _common_dtype(sources) if sources else []
     if srcs and srcs[0].dtype != prior_out.dtype:
         dtype = torch.promote_types(srcs[0].dtype, prior_out.dtype)
         srcs, prior_out = [s.to(dtype) for s in srcs], prior_out.to(dtype)
     return _route(
         srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False, norm_weight, float(norm_eps),
-        sink=_sink_for(grad_sink, srcs, sources),
+        sink=_uncast(binding, srcs, sources),
     )[0]
 
 
