@@ -72,13 +72,15 @@ KNOBS = {
     "occ-stats": {(TR, "OCCUPANCY_GRIDS"): frozenset({"bwd", "bwd_stats"})},  # site loop's pass one sized too
     "pad": {(TR, "SPLIT_WIDTH"): False},  # head widths padded to a power of two, not split in two tiles
     "bwd8w": {(TR, "WARPS", "bwd"): 8},  # the two-pass backward on 8 warps whatever its tile
+    "bwd-add-8w": {(TR, "WARPS", "bwd_add"): 8},  # the additive form's merges on the former tiles (2048 elements, 8 warps)
     "pf2": {(TR, "PREFETCH", k): 2 for k in ("fwd", "bwd", "bwd_stats")},  # two sources in flight per program
     "pf2-fwd": {(TR, "PREFETCH", "fwd"): 2},
     "pf2-stats": {(TR, "PREFETCH", "bwd_stats"): 2},
     "src-rstd-all": {(TR, "SPLIT_SOURCES_RSTD_HEADS"): 1 << 30},  # pass two loads the saved key rstd at split widths whatever H
     "src-rstd0": {(TR, "SPLIT_SOURCES_RSTD_HEADS"): 0},  # pass two recomputes the key rstd at split widths
     "unfused-norm": {("lit_mhar.routing", "FUSED_NORM"): False},  # the merge, then the RMSNorm module (two ops)
-    "fused-norm-all": {("lit_mhar.routing", "FUSED_NORM_ADDITIVE_FULL"): True},  # Delta full routing fused too
+    "fused-norm-all": {("lit_mhar.routing", "FUSED_NORM_ADDITIVE_FULL"): True},  # Delta full routing fused too (the default now)
+    "unfused-additive-full": {("lit_mhar.routing", "FUSED_NORM_ADDITIVE_FULL"): False},  # Delta full routing: merge, then the norm module
     "no-sink": {("lit_mhar.routing", "SINK_SOURCE_GRADIENTS"): False},  # autograd sums the source gradients (addition kernels)
     "untuned": {(TR, "TUNED_TILES"): {}},  # tiles and warps by the general rule at every width
 }

@@ -1,8 +1,12 @@
 """Tile sizes and warp counts of the routing kernels, tried one launch kind at a time (GPU).
 
 For each shape (350m unless ``--scale``: phase one of Block AttnRes, S = 2L/8 sites against 8
-completed blocks; one site over N = 9 .. 2L+1 sources), every configuration of one launch kind
-(``fwd``, ``bwd_stats``, ``bwd_sources``) is checked against the package's default configuration
+completed blocks; one site over N = 9 .. 2L+1 sources; ``merge``: the second phase fused with the
+next RMSNorm, over one newer source (block routing, replacement and additive form) or four (full
+routing)), every configuration of one launch kind (``fwd``, ``bwd_stats``, ``bwd_sources``; for
+the merges ``merge_fwd`` and ``bwd`` (``bwd_add`` for the additive form), timed replaying a CUDA graph of the calls, forward and
+backward together for ``bwd``: a merge's kernel takes a fraction of a millisecond, less than the
+host needs to launch it) is checked against the package's default configuration
 (relative L2 difference of the output or of every gradient) and then timed with
 ``triton.testing.do_bench`` (median), the other kinds at their defaults. A configuration whose
 check fails gets no time. It also times the two backward kernels against each other at one site
@@ -21,7 +25,7 @@ import os
 import sys
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from bench_routing_op import use_backward  # the same switch between the two backward kernels
 from lit_mhar.kernels import triton_routing as tr
@@ -36,10 +40,16 @@ if DEVICE == "cpu":
     def do_bench(fn, warmup=0, rep=0, return_mode="median"):  # noqa: F811 - no CUDA events on CPU
         fn()
         return float("nan")
+
+    do_bench_cudagraph = do_bench  # noqa: F811
 CONFIGS = {
     "fwd": list(itertools.product((2048, 4096, 8192), (2, 4, 8))),
     "bwd_stats": list(itertools.product((1024, 2048, 4096), (2, 4, 8))),
     "bwd_sources": list(itertools.product((1024, 2048, 4096), (2, 4, 8))),
+}
+MERGE_CONFIGS = {
+    "merge_fwd": list(itertools.product((1024, 2048, 4096), (1, 2, 4, 8))),
+    "bwd": list(itertools.product((512, 1024, 2048, 4096), (2, 4, 8))),
 }
 FIELDS = ["scale", "shape", "kind", "elements", "warps", "ms", "rel_diff", "status"]
 
@@ -67,6 +77,34 @@ def runner(sources, q, gn, douts, dlse, heads):
     return fwd, bwd
 
 
+def make_merge(M, d, n, heads, additive, seed=0):
+    """Inputs of one merge_route_norm call: n newer sources, a prior, the norm weight; the additive
+    form's float32 stream and gate. Returns (tensors that get gradients, call kwargs, output gradient)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    bf = lambda *shape, scale=1.0: (scale * torch.randn(*shape, device=DEVICE, generator=g)).to(torch.bfloat16).requires_grad_()  # noqa: E731
+    leaf = lambda t: t.requires_grad_()  # noqa: E731
+    kw = dict(
+        sources=[bf(M, d, scale=0.5 + i % 3) for i in range(n)], prior_out=bf(M, d),
+        prior_lse=leaf(torch.randn(M, heads, device=DEVICE, generator=g)),
+        query=leaf(2.0 * (heads / d) ** 0.5 * torch.randn(d, device=DEVICE, generator=g)),
+        gain=leaf(1 + 0.3 * torch.randn(d, device=DEVICE, generator=g)),
+        norm_weight=leaf(1 + 0.3 * torch.randn(d, device=DEVICE, generator=g)),
+    )
+    if additive:
+        kw["stream"] = leaf(torch.randn(M, d, device=DEVICE, generator=g))
+        kw["gate"] = leaf(0.5 * torch.randn(d, device=DEVICE, generator=g))
+    inputs = [*kw["sources"], *(v for k, v in kw.items() if k != "sources")]
+    return inputs, kw, torch.randn(M, d, device=DEVICE, generator=g).to(torch.bfloat16)
+
+
+def merge_runner(inputs, kw, dout, heads):
+    """(forward fn, forward + backward fn) of merge_route_norm. The backward runs on the stream its
+    forward ran on, so both go into the one captured CUDA graph: the ``bwd`` rows time the two."""
+    fwd = lambda: (tr.merge_route_norm(heads=heads, norm_eps=1e-6, **kw),)  # noqa: E731
+    both = lambda: torch.autograd.grad(fwd(), inputs, [dout])  # noqa: E731
+    return lambda: (fwd(), None), both
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", choices=list(SCALES), default="350m")
@@ -89,22 +127,28 @@ def main(argv=None):
             fh.flush()
             print(json.dumps(row), flush=True)
 
-        shapes = [(f"phase1-N8-S{S}-H8", 8, S, 8), (f"phase1-N8-S{S}-H1", 8, S, 1), (f"full-N{2 * layers + 1}-S1-H8", 2 * layers + 1, 1, 8)]
+        shapes = [(f"phase1-N8-S{S}-H8", 8, S, 8), (f"phase1-N8-S{S}-H1", 8, S, 1), (f"full-N{2 * layers + 1}-S1-H8", 2 * layers + 1, 1, 8),
+                  ("merge-N1-H8", 1, 1, 8), ("merge-N1-H8-additive", 1, 1, 8), ("merge-N4-H8", 4, 1, 8)]
         for name, n, sites, heads in shapes:
             if name.split("-")[0] not in families:
                 continue
-            build = runner
-            data = make(M, d, n, sites, heads)
+            if name.startswith("merge"):
+                build, data, configs_by_kind = merge_runner, make_merge(M, d, n, heads, name.endswith("additive")), MERGE_CONFIGS
+                bench = lambda fn: do_bench_cudagraph(fn, rep=50, return_mode="median")  # noqa: E731
+            else:
+                build, data, configs_by_kind = runner, make(M, d, n, sites, heads), CONFIGS
+                bench = lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median")  # noqa: E731
             fwd, bwd = build(*data, heads)
             ref_out, ref_grads = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in bwd()]
-            for kind, configs in CONFIGS.items():
+            for kind, configs in configs_by_kind.items():
+                kind = "bwd_add" if kind == "bwd" and name.endswith("additive") else kind  # the additive form's tile kind
                 for elements, warps in configs:
                     tr.TILE_ELEMENTS.update(defaults[0])
                     tr.WARPS.clear()
                     tr.TILE_ELEMENTS[kind], tr.WARPS[kind] = elements, warps
                     row = dict(shape=name, kind=kind, elements=elements, warps=warps)
                     try:
-                        if kind == "fwd":
+                        if kind in ("fwd", "merge_fwd"):
                             diff = max(rel(o, r) for o, r in zip(fwd()[0], ref_out))
                             fn = fwd
                         else:
@@ -115,7 +159,7 @@ def main(argv=None):
                         if diff > 1e-2:
                             row["status"] = "FAILED check"
                         else:
-                            row.update(ms=f"{do_bench(fn, warmup=5, rep=50, return_mode='median'):.4f}", status="ok")
+                            row.update(ms=f"{bench(fn):.4f}", status="ok")
                     except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a result
                         row.update(status=f"error {e!r}"[:160])
                     emit(row)

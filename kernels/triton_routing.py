@@ -90,8 +90,8 @@ MAX_BLOCK_D = 16384
 # caps sites x width of the two-pass backward, which holds every site's gradient of a token (one
 # token per program); it runs single sites only, unless ``SITE_LOOP_MIN_SITES`` is raised
 # (benchmarks compare the two that way).
-TILE_ELEMENTS = {"fwd": 4096, "bwd": 2048, "bwd_stats": 2048, "bwd_sources": 2048}
-ELEMENTS_PER_THREAD = {"fwd": 32, "bwd": 8, "bwd_stats": 16, "bwd_sources": 16}
+TILE_ELEMENTS = {"fwd": 4096, "merge_fwd": 4096, "bwd": 2048, "bwd_add": 2048, "bwd_stats": 2048, "bwd_sources": 2048}
+ELEMENTS_PER_THREAD = {"fwd": 32, "merge_fwd": 32, "bwd": 8, "bwd_add": 8, "bwd_stats": 16, "bwd_sources": 16}
 # Warps per program by launch kind where set (benchmarks/tune_tiles.py tries them); else from the tile.
 WARPS: dict[str, int] = {}
 # (elements, warps) of a launch kind at a padded width where measured better than the rule above
@@ -99,9 +99,17 @@ WARPS: dict[str, int] = {}
 # eighth set): at d = 512 (100m) and d = 1024 (350m) programs of 2 warps, 32 or 16 elements per
 # thread, took the forward from 1.048 to 0.974 ms (100m) and 0.925 to 0.841 (350m), pass one of the
 # site loop from 3.71 to 3.37 and 3.37 to 3.08, and pass two from 3.71 to 3.41 (2048 elements) and
-# 3.37 to 2.88 (1024 elements). Not used where ``WARPS`` names the kind (tuning runs).
+# 3.37 to 2.88 (1024 elements). The merges' own kinds (``--shapes merge``, one merge fused with the
+# norm, timed in a CUDA graph; BENCHMARKS.md, ninth set): the additive form's backward ("bwd_add")
+# on 1024 elements and 2 warps took forward + backward from 0.498 to 0.353 ms at 350m and from
+# 0.954 to 0.655 at 100m (Delta block in training 0.876 against 0.856 x prenorm at 350m, 0.813
+# against 0.788 at 100m); the forward of a merge ("merge_fwd") reads and writes near the copy
+# bandwidth on every tile tried (0.060-0.070 ms at 350m), so it keeps the forward's tile; the
+# replacement form's backward measured within the spread of training ("bwd", 2048 on 8 warps kept).
+# Not used where ``WARPS`` names the kind (tuning runs).
 TUNED_TILES: dict[tuple[str, int], tuple[int, int]] = {
-    ("fwd", 512): (2048, 2), ("fwd", 1024): (2048, 2),
+    ("fwd", 512): (2048, 2), ("fwd", 1024): (2048, 2), ("merge_fwd", 512): (2048, 2), ("merge_fwd", 1024): (2048, 2),
+    ("bwd_add", 512): (1024, 2), ("bwd_add", 1024): (1024, 2),
     ("bwd_stats", 512): (2048, 2), ("bwd_stats", 1024): (2048, 2),
     ("bwd_sources", 512): (2048, 2), ("bwd_sources", 1024): (1024, 2),
 }
@@ -1112,7 +1120,8 @@ def _forward(
     if n_sites < SITE_LOOP_MIN_SITES and n_sites > 1:  # the two-pass backward's limit on sites per pass, checked before any work
         _tile("bwd", n_sites, d, heads, interpret)
     group = _group_sites(n_sites, FWD_SITES, d, heads)
-    _, bm, warps, bh, bdh, dt = _tile("fwd", group, d, heads, interpret)
+    # a forward with a prior (a merge: one site, few sources) is a launch kind of its own
+    _, bm, warps, bh, bdh, dt = _tile("fwd" if prior_out is None else "merge_fwd", group, d, heads, interpret)
     srcs = [_aligned(s) for s in sources]
     base = srcs[0] if srcs else _aligned(prior_out)
     w = (queries.float() * gains.float()).contiguous()
@@ -1187,7 +1196,8 @@ def _backward(
     if _uses_site_loop(n_sites, n_src, prior_out is not None):
         empty = [_new((0,), torch.float32, device) for _ in range(2)]  # no norm: d_norm_weight, d_stream
         return [*_backward_site_loop(sources, queries, gains, heads, eps, gate, lse, grad_outs, grad_lse, rstd, sink), *empty]
-    bs, bm, warps, bh, bdh, dt = _tile("bwd", n_sites, d, heads, interpret)
+    # the additive form (its stream and gate) is a tile kind of its own: it holds more per token
+    bs, bm, warps, bh, bdh, dt = _tile("bwd" if gate is None else "bwd_add", n_sites, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
     srcs = [_aligned(s) for s in sources]
     base = srcs[0] if srcs else _aligned(prior_out)

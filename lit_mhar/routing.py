@@ -37,11 +37,11 @@ DECODE_PREFIX_MIN_SOURCES = 16
 # saved for the norm's backward (BENCHMARKS.md, seventh set: block MHAR at 350m 0.939 against 0.918
 # x prenorm, peak memory 1.002 against 1.061). A benchmark knob (False: merge, then the norm module).
 FUSED_NORM = True
-# ... except for the additive form in full routing (S = 1), where the fused backward of merges over
-# up to 7 newer sources, with the stream in its norm, holds one program per SM instead of two and
-# measured slower: Delta full 0.605 against 0.617 x prenorm at 350m, 0.616 against 0.636 at 100m
-# (Delta block: 0.842 against 0.832, 0.764 against 0.755; BENCHMARKS.md, seventh set). A knob.
-FUSED_NORM_ADDITIVE_FULL = False
+# The additive form in full routing (S = 1) too: on the additive form's merge tiles of 2 warps
+# (``TUNED_TILES``, "bwd_add") Delta full measured 0.680 against 0.664 x prenorm unfused at 350m,
+# 0.697 against 0.672 at 100m (BENCHMARKS.md, ninth set; on the former tiles of 8 warps, where the
+# fused backward held one program per SM, it was the other way round: seventh set). A knob.
+FUSED_NORM_ADDITIVE_FULL = True
 
 # Two-phase routing sums the gradient of each source of the depth history (embedding, block sums,
 # running sums of the block in progress) in a GradientSink: the backward kernels of the phase-one

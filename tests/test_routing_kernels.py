@@ -467,14 +467,15 @@ def test_merge_route_norm_refuses_bad_arguments(impl):
                 impl(**args)
 
 
-@pytest.mark.parametrize("residual", ["attnres", "delta"])
-def test_fused_norm_model_matches_unfused_and_saves_less(monkeypatch, residual):
-    """A two-phase block MHAR (Delta) model gives the same loss and gradients with the second phase
+@pytest.mark.parametrize("residual,block_size", [("attnres", 3), ("delta", 3), ("delta", 1)], ids=["mhar-block", "delta-block", "delta-full"])
+def test_fused_norm_model_matches_unfused_and_saves_less(monkeypatch, residual, block_size):
+    """A two-phase MHAR (Delta) model gives the same loss and gradients with the second phase
     fused with the RMSNorm as with the merge followed by the norm module, while autograd keeps fewer
     bytes (the norm's input is not saved; the Delta form keeps its stream instead, as many bytes)."""
     from lit_mhar import routing
 
-    model = tiny_model(residual, 4, 3, n_layer=3)
+    assert routing.FUSED_NORM_ADDITIVE_FULL  # the default: Delta full routing fused too
+    model = tiny_model(residual, 4, block_size, n_layer=3)
     idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     results = {}
     original = routing.merge_route_norm
