@@ -82,6 +82,7 @@ KNOBS = {
     "fused-norm-all": {("lit_mhar.routing", "FUSED_NORM_ADDITIVE_FULL"): True},  # Delta full routing fused too (the default now)
     "unfused-additive-full": {("lit_mhar.routing", "FUSED_NORM_ADDITIVE_FULL"): False},  # Delta full routing: merge, then the norm module
     "no-sink": {("lit_mhar.routing", "SINK_SOURCE_GRADIENTS"): False},  # autograd sums the source gradients (addition kernels)
+    "no-stream-sink": {("lit_mhar.routing", "SINK_STREAM"): False},  # Delta: autograd sums the stream's gradients
     "untuned": {(TR, "TUNED_TILES"): {}},  # tiles and warps by the general rule at every width
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "mfu_measured",

@@ -261,7 +261,9 @@ def merge_route_norm(
         norm_weight: ``[d]`` the RMSNorm's weight; norm_eps: its epsilon (> 0).
         stream, gate: ``[..., d]`` and ``[d]``, the additive form (Delta AttnRes), or both None.
         eps: the key RMSNorm epsilon (> 0).
-        grad_sink: as in :func:`route_sites` (the sources' gradients go into the sink).
+        grad_sink: as in :func:`route_sites` (the sources' gradients go into the sink). A stream
+            the sink collected gets its gradient through autograd here, which its alias adds to
+            the slot's sum (the fused kernel adds it into the slot: the same sum).
 
     Returns:
         ``y`` ``[..., d]`` in the dtype of ``prior_out`` promoted with the sources (not with

@@ -62,6 +62,16 @@ class GradientSink:
         (slot,) = self.slots([partial], "GradientSink.sum")
         return _Sum.apply(partial, output, self, slot)
 
+    def advance(self, stream: Tensor, partial: Optional[Tensor], output: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """One sublayer's ``output`` ``[..., d]`` added to the residual stream (Delta AttnRes) and to
+        the running sum of the block in progress: ``(stream + output, partial + output)``, or
+        ``(stream + output, None)`` with ``partial`` None. ``stream`` and ``partial`` are collected
+        aliases: their gradients go into their slots (where the routing ops' backward kernels add to
+        them), and ``output``'s gradient, the sum of the two, is computed in one operation in
+        ``output``'s dtype (rounded once) instead of autograd's cast and addition."""
+        slots = self.slots([stream] if partial is None else [stream, partial], "GradientSink.advance")
+        return _Advance.apply(stream, partial, output, self, *slots, *([None] if partial is None else []))
+
     def holds(self, sources: Sequence[Tensor]) -> bool:
         """Whether every one of ``sources`` is an alias :meth:`collect` returned (once each)."""
         alive = {id(ref()) for ref in self._aliases if ref() is not None}
@@ -79,9 +89,12 @@ class GradientSink:
             )
         return slots
 
-    def bind(self, sources: Sequence[Tensor], name: str = "route_sites") -> "SinkBinding":
-        """The sink seen by one routing op over ``sources`` (slots checked now, before any work)."""
-        return SinkBinding(self, self.slots(sources, name))
+    def bind(self, sources: Sequence[Tensor], name: str = "route_sites", stream: Optional[Tensor] = None) -> "SinkBinding":
+        """The sink seen by one routing op over ``sources`` (slots checked now, before any work); with
+        ``stream`` (the additive form's residual stream) the stream's slot too where this sink
+        collected it (else its gradient goes through autograd)."""
+        stream_slot = self.slots([stream], name)[0] if stream is not None and self.holds([stream]) else None
+        return SinkBinding(self, self.slots(sources, name), stream_slot)
 
     def _current(self, slot: int) -> Optional[Tensor]:
         """The slot's sum if this backward pass wrote it; a stale one is dropped."""
@@ -149,10 +162,11 @@ class GradientSink:
 
 
 class SinkBinding:
-    """A :class:`GradientSink` and the slots of one routing op's sources (its backward's view)."""
+    """A :class:`GradientSink` and the slots of one routing op's sources (its backward's view);
+    ``stream_slot``: the slot of the op's residual stream (additive form), or None."""
 
-    def __init__(self, sink: GradientSink, slots: list[int]) -> None:
-        self.sink, self.slots = sink, slots
+    def __init__(self, sink: GradientSink, slots: list[int], stream_slot: Optional[int] = None) -> None:
+        self.sink, self.slots, self.stream_slot = sink, slots, stream_slot
 
     def add(self, k: int, grad: Tensor) -> None:
         """Add the gradient of the op's source ``k`` into its slot."""
@@ -190,6 +204,30 @@ class _Sum(torch.autograd.Function):
         if grad is not None:
             ctx.sink.add(ctx.slot, grad)
         return None, grad, None, None
+
+
+class _Advance(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, stream, partial, output, sink, stream_slot, partial_slot):
+        ctx.sink, ctx.slots, ctx.dtype = sink, (stream_slot, partial_slot), output.dtype
+        ctx.set_materialize_grads(False)
+        return stream + output, (None if partial is None else partial + output)
+
+    @staticmethod
+    def backward(ctx, d_stream: Optional[Tensor], d_partial: Optional[Tensor]):
+        stream_slot, partial_slot = ctx.slots
+        if d_stream is not None:
+            ctx.sink.add(stream_slot, d_stream)
+        if d_partial is not None and partial_slot is not None:
+            ctx.sink.add(partial_slot, d_partial)
+        else:
+            d_partial = None
+        if d_stream is None or d_partial is None:
+            grads = [g for g in (d_stream, d_partial) if g is not None]
+            d_output = grads[0].to(ctx.dtype) if grads else None
+        else:  # one kernel, one rounding (autograd would cast d_stream, then add)
+            d_output = torch.add(d_stream, d_partial, out=torch.empty(d_partial.shape, dtype=ctx.dtype, device=d_partial.device))
+        return None, None, d_output, None, None, None
 
 
 class _Feed(torch.autograd.Function):

@@ -310,14 +310,16 @@ def _route_bwd(
     prior_ptr, prior_lse_ptr,
     dsrc_base, dsrc_offs, acc_base, acc_offs, n_acc,
     dw_ptr, dgate_ptr, dprior_ptr, dprior_lse_ptr,
-    nw_ptr, dnw_ptr, stream_ptr, dstream_ptr,
+    nw_ptr, dnw_ptr, stream_ptr, dstream_ptr, dstream_acc_ptr,
     M, eps, num_tiles, norm_eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr, PF: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_DLSE: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
+    STREAM_ACC: tl.constexpr,
 ):
     # Source i's gradient goes to dsrc_base + dsrc_offs[i]; with ACC, sources i < n_acc add to it
-    # acc_base + acc_offs[i] (a gradient sink's sum so far, see _route_bwd_sources).
+    # acc_base + acc_offs[i] (a gradient sink's sum so far, see _route_bwd_sources). With
+    # STREAM_ACC the stream's gradient (fused norm, additive form) adds dstream_acc_ptr's likewise.
     # Every lane tensor has a twin ``*_t`` over each head's last DT channels when DT > 0 (see
     # _route_fwd); sums over a head add the two.
     pid = tl.program_id(0)
@@ -464,10 +466,18 @@ def _route_bwd(
             if DT > 0:
                 dout_t = n_rstd * (gy_t - xn_t * c_n)
             if ADDITIVE:
-                tl.store(dstream_ptr + x_off, dout.to(dstream_ptr.dtype.element_ty), mask=xmask)
+                if STREAM_ACC:
+                    ds_sum = dout + tl.load(dstream_acc_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
+                    tl.store(dstream_ptr + x_off, ds_sum.to(dstream_ptr.dtype.element_ty), mask=xmask)
+                else:
+                    tl.store(dstream_ptr + x_off, dout.to(dstream_ptr.dtype.element_ty), mask=xmask)
                 dr = dout * gate
                 if DT > 0:
-                    tl.store(dstream_ptr + x_off_t, dout_t.to(dstream_ptr.dtype.element_ty), mask=hmask)
+                    if STREAM_ACC:
+                        ds_sum_t = dout_t + tl.load(dstream_acc_ptr + x_off_t, mask=hmask, other=0.0).to(tl.float32)
+                        tl.store(dstream_ptr + x_off_t, ds_sum_t.to(dstream_ptr.dtype.element_ty), mask=hmask)
+                    else:
+                        tl.store(dstream_ptr + x_off_t, dout_t.to(dstream_ptr.dtype.element_ty), mask=hmask)
                     dr_t = dout_t * gate_t
             else:
                 dr = dout
@@ -1229,12 +1239,17 @@ def _backward(
     norm_stream = norm_weight is not None and gate is not None  # the additive form's stream enters the norm
     if norm_stream and stream is None:
         raise ValueError("triton depth routing: the additive form's fused norm needs the stream in its backward")
-    dstream = _new(shape if norm_stream else (0,), stream.dtype if norm_stream else torch.float32, device)
+    if norm_stream and sink is not None and sink.stream_slot is not None:  # the stream's gradient into its slot
+        (dstream,), (dstream_acc,), stream_acc = sink.sink.targets([sink.stream_slot], stream, _new)
+    else:
+        dstream = _new(shape if norm_stream else (0,), stream.dtype if norm_stream else torch.float32, device)
+        dstream_acc, stream_acc = dstream, 0
+    flags["STREAM_ACC"] = stream_acc > 0
 
     def args(dw: Tensor, dgate: Tensor, dnw: Tensor) -> tuple:
         return (
             *head, dw, dgate, dprior if prior_out is not None else dummy, dprior_lse if prior_lse is not None else dummy,
-            nw, dnw, _aligned(stream) if norm_stream else dummy, dstream if norm_stream else dummy,
+            nw, dnw, _aligned(stream) if norm_stream else dummy, dstream if norm_stream else dummy, dstream_acc if norm_stream else dummy,
             M, eps, num_tiles, float(norm_eps),
         )
 
@@ -1485,7 +1500,7 @@ class _RouteFunction(torch.autograd.Function):
         kept_stream = stream if norm_weight is not None else None  # the fused norm's backward needs the stream
         ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, norm_weight, kept_stream, outs[n_out], outs[n_out + 2], *sources)
         ctx.heads, ctx.eps, ctx.n_out, ctx.additive, ctx.n_src = heads, eps, n_out, stream is not None, len(sources)
-        ctx.norm_eps, ctx.sink = norm_eps, sink
+        ctx.norm_eps, ctx.sink, ctx.norm_weight_given = norm_eps, sink, norm_weight is not None
         ctx.mark_non_differentiable(outs[n_out + 1], outs[n_out + 2])
         ctx.set_materialize_grads(False)
         return tuple(outs)
@@ -1498,6 +1513,8 @@ class _RouteFunction(torch.autograd.Function):
         if res is None:
             return (None,) * (13 + ctx.n_src)
         d_src, *rest = res
+        if sink is not None and sink.stream_slot is not None and ctx.norm_weight_given:
+            rest[2] = None  # the stream's gradient went into its slot (the fused norm's backward kernel)
         return (None, None, None, None, None, None, *rest, *(d_src.unbind(0) if sink is None else (None,) * ctx.n_src))
 
 
@@ -1649,11 +1666,12 @@ def merge_route_norm(
     recomputes ``r`` from the prior and the sources, so the forward saves what the merge saves (the
     prior, its lse, the sources; the stream in the additive form), not the norm's input; the
     weight's gradient is summed per persistent program and reduced in a fixed order (deterministic).
-    With ``grad_sink`` the backward kernel adds the sources' gradients into the sink.
+    With ``grad_sink`` the backward kernel adds the sources' gradients into the sink, and in the
+    additive form the stream's where the sink collected the stream (:meth:`GradientSink.collect`).
     """
     check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate)
     _check_dtypes([prior_out])
-    binding = _bind(grad_sink, sources, "merge_route_norm")
+    binding = None if grad_sink is None else grad_sink.bind(sources, "merge_route_norm", stream=stream if gate is not None else None)
     srcs = _common_dtype(sources) if sources else []
     if srcs and srcs[0].dtype != prior_out.dtype:
         dtype = torch.promote_types(srcs[0].dtype, prior_out.dtype)

@@ -240,9 +240,11 @@ class Block(nn.Module):
             else:
                 x = h if site is None else route(site, history, h, weights)
                 out = fn(norm(x))
-            if h is not None:
+            if h is not None and history is not None:  # Delta: the stream and the depth history advance together
+                h = history.append(out, 2 * self.index + j, stream=h)
+            elif h is not None:
                 h = h + out
-            if history is not None:
+            elif history is not None:
                 history.append(out, 2 * self.index + j)
         return h
 
@@ -364,6 +366,8 @@ class LM(nn.Module):
                 two_phase = not return_routing and resolve_backend(x) == "triton"
                 history = DepthHistory(x.to(dtype), self.cfg.block_size, self.routing_sites(), two_phase)
         h = None if self.cfg.residual == "attnres" else x
+        if self.cfg.residual == "delta" and isinstance(history, DepthHistory):
+            h = history.track_stream(h)  # its gradient summed with the depth history's (SINK_STREAM)
         if self.cfg.residual == "hyper":  # the hyper hidden matrix H^0: n copies of the embedding [B, T, n, d]
             h = x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.hc_rate, x.shape[-1])
         for block, layer_cache in zip(self.blocks, layer_caches):

@@ -51,6 +51,13 @@ FUSED_NORM_ADDITIVE_FULL = True
 # MHAR 0.940 against 0.934 x prenorm at 350m, 0.894 against 0.878 at 100m; full MHAR 0.694 against
 # 0.671 at 350m, peak memory 1.038 against 1.075 at 1b (BENCHMARKS.md, eighth set). A knob.
 SINK_SOURCE_GRADIENTS = True
+# ... and, with a sink, the residual stream of the additive form (Delta AttnRes) too: the stream
+# before each sublayer is a collected alias (:meth:`DepthHistory.track_stream`), the fused norm's
+# backward kernel adds its gradient to the one arriving from the next stream (instead of autograd's
+# float32 addition per sublayer), and each sublayer's output gets its gradient, the stream's plus
+# the running sum's, in one operation (:meth:`GradientSink.advance`) instead of a cast and an
+# addition. A knob.
+SINK_STREAM = True
 
 
 class DepthHistory:
@@ -108,22 +115,44 @@ class DepthHistory:
         """Sources visible to the next routing site, oldest first (N = 1 + completed + started)."""
         return self.blocks if self.partial is None else [*self.blocks, self.partial]
 
-    def append(self, output: Tensor, sublayer: int) -> None:
-        """Record the raw output ``[..., d]`` of sublayer ``sublayer`` (0-based, in order)."""
+    def track_stream(self, stream: Tensor) -> Tensor:
+        """The additive form's residual stream ``[..., d]`` before the first sublayer, as the routing
+        ops read it: with a sink (``SINK_STREAM``), an alias the sink collected, so that its
+        gradient is summed there; else ``stream`` itself. Pass each later stream to :meth:`append`."""
+        if not SINK_STREAM or self._frozen:
+            return stream
+        return self._collect(stream)
+
+    def append(self, output: Tensor, sublayer: int, stream: Optional[Tensor] = None) -> Optional[Tensor]:
+        """Record the raw output ``[..., d]`` of sublayer ``sublayer`` (0-based, in order).
+
+        With ``stream`` (the additive form's residual stream before that sublayer, as
+        :meth:`track_stream` or the previous call returned it), returns the stream after it,
+        ``stream + output``, summing both in the sink where the stream is collected."""
         if self._frozen:
             raise RuntimeError("DepthHistory.append: this is a snapshot(), which is read-only; append to the live history")
         if sublayer != self.n_appended:
             raise ValueError(f"DepthHistory: got sublayer {sublayer}, expected {self.n_appended} (sublayers run in order)")
-        if self.partial is None:
-            self.partial = self._collect(output)
-        elif self._sink_for([self.partial]) is None:
-            self.partial = self._collect(self.partial + output)
-        else:  # each running sum is a source of its own slot; the sum hands its gradient to the older one's
-            self.partial = self._collect(self.sink.sum(self.partial, output))
+        new_stream = None
+        sink = None if stream is None else self._sink_for([stream] if self.partial is None else [stream, self.partial])
+        if sink is not None:  # stream and running sum in one step (GradientSink.advance)
+            new_stream, partial = sink.advance(stream, self.partial, output)
+            new_stream = self._collect(new_stream)
+            self.partial = self._collect(output if partial is None else partial)
+        else:
+            if stream is not None:
+                new_stream = stream + output
+            if self.partial is None:
+                self.partial = self._collect(output)
+            elif self._sink_for([self.partial]) is None:
+                self.partial = self._collect(self.partial + output)
+            else:  # each running sum is a source of its own slot; the sum hands its gradient to the older one's
+                self.partial = self._collect(self.sink.sum(self.partial, output))
         self.n_appended += 1
         if self.n_appended % self.block_size == 0:
             self.blocks.append(self.partial)
             self.partial = None
+        return new_stream
 
     def _collect(self, source: Tensor) -> Tensor:
         """``source`` as a source of the depth history: its sink alias (eager code with a sink)."""
@@ -295,8 +324,9 @@ class DecodeHistory:
         self._prior: Optional[tuple[Tensor, Tensor, int, int]] = None  # (out [G, ..., d], lse [G, ..., H], first site, slots)
         self._stacked: Optional[tuple[Tensor, Tensor]] = None
 
-    def append(self, output: Tensor, sublayer: int) -> None:
-        """Record the raw output ``[..., d]`` of sublayer ``sublayer``; the next :meth:`route_norm` stores it."""
+    def append(self, output: Tensor, sublayer: int, stream: Optional[Tensor] = None) -> Optional[Tensor]:
+        """Record the raw output ``[..., d]`` of sublayer ``sublayer``; the next :meth:`route_norm` stores it.
+        With ``stream`` (the additive form's residual stream), returns ``stream + output``."""
         if sublayer != self.n_appended:
             raise ValueError(f"DecodeHistory: got sublayer {sublayer}, expected {self.n_appended} (sublayers run in order)")
         if self.pending is not None:
@@ -308,6 +338,7 @@ class DecodeHistory:
             self.has_partial = False
         else:
             self.has_partial = True
+        return None if stream is None else stream + output
 
     def route_norm(self, site: "RoutingSite", norm: nn.RMSNorm, stream: Optional[Tensor] = None) -> Tensor:
         """``norm(route(site))`` ``[..., d]`` for the site about to run; ``stream`` for the additive form."""

@@ -674,6 +674,79 @@ def test_model_gradient_sink_matches_autograd_summation(monkeypatch, residual, b
         assert routing.DepthHistory(torch.zeros(2, 3, 8), 2, model.routing_sites(), two_phase=True).sink is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_partial", [True, False], ids=["running-sum", "first-of-block"])
+def test_gradient_sink_advance_matches_autograd(dtype, with_partial):
+    """GradientSink.advance (stream + output, partial + output) against plain autograd: the stream's
+    and the partial's gradients reach their leaves through the sink's slots, the output's is their
+    sum, rounded once to its dtype (autograd rounds the stream's first: within one bf16 step)."""
+    from lit_mhar.kernels import GradientSink
+
+    g = torch.Generator().manual_seed(5)
+    shape = (3, 5, 24)
+    stream0 = torch.randn(shape, generator=g)  # float32, as under autocast
+    partial0 = torch.randn(shape, generator=g).to(dtype)
+    output0 = torch.randn(shape, generator=g).to(dtype)
+    w = [torch.randn(shape, generator=g) for _ in range(4)]
+    grads = []
+    for sunk in (True, False):
+        stream, partial, output = (t.clone().requires_grad_() for t in (stream0, partial0, output0))
+        if sunk:
+            sink = GradientSink()
+            s_alias, p_alias = sink.collect(stream), sink.collect(partial)
+            h, p = sink.advance(s_alias, p_alias if with_partial else None, output)
+            assert (p is None) != with_partial
+        else:
+            s_alias, p_alias = stream, partial
+            h, p = stream + output, (partial + output if with_partial else None)
+        # the aliases have other readers too, as in the model (the routing ops)
+        loss = (h * w[0]).sum() + (s_alias * w[2]).sum() + (p_alias.float() * w[3]).sum()
+        if p is not None:
+            loss = loss + (p.float() * w[1]).sum()
+        loss.backward()
+        grads.append([t.grad for t in (stream, partial, output)])
+    for got, want, name in zip(*grads, ("stream", "partial", "output")):
+        assert got.dtype == want.dtype, name
+        if dtype == torch.float32 or name == "stream":
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
+        else:  # one rounding against two
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2, msg=name)
+
+
+@pytest.mark.parametrize("block_size", [2, 1], ids=["delta-block-S2", "delta-full"])
+def test_model_stream_sink_matches_autograd(monkeypatch, block_size):
+    """Delta's residual stream summed in the sink (SINK_STREAM, the default) against autograd's
+    summation: same loss and gradients; on, the fused norms bind the stream's slot, off, none does."""
+    from lit_mhar import routing
+    from lit_mhar.kernels import sink as sink_module
+
+    model = tiny_model("delta", 4, block_size, n_layer=3)
+    idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    bound = {}
+    original = sink_module.SinkBinding.__init__
+
+    def spy(self, sink, slots, stream_slot=None):
+        bound.setdefault(on, []).append(stream_slot)
+        original(self, sink, slots, stream_slot)
+
+    monkeypatch.setattr(sink_module.SinkBinding, "__init__", spy)
+    results = []
+    for on in (True, False):
+        monkeypatch.setattr(routing, "SINK_STREAM", on)
+        model.zero_grad()
+        with use_backend("triton"):
+            loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    sites = 2 * 3 + 1
+    assert sum(slot is not None for slot in bound[True]) == sites  # every fused norm bound the stream
+    assert all(slot is None for slot in bound[False])
+    (loss_on, g_on), (loss_off, g_off) = results
+    assert torch.equal(loss_on, loss_off) and g_on.keys() == g_off.keys()
+    for name in g_on:
+        torch.testing.assert_close(g_on[name], g_off[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_gradient_sink_backward_over_some_inputs_then_all(monkeypatch, backend):
     """A backward over one pseudo-query (retain_graph) runs the routing ops but not every
