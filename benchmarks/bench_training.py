@@ -66,12 +66,12 @@ KNOBS = {
     "rstd0": {(TR, "SAVE_RSTD"): False},  # the site loop's backward recomputes each source's key rstd
     "stats2": {(TR, "STATS_SITES"): 2},  # two sites per program of the site loop's pass one
     "stats4": {(TR, "STATS_SITES"): 4},
-    "bwd4096": {(TR, "TILE_ELEMENTS", "bwd"): 4096, (TR, "ELEMENTS_PER_THREAD", "bwd"): 16},  # the former two-pass tiles
-    "bwd1024": {(TR, "TILE_ELEMENTS", "bwd"): 1024},  # two-pass tiles of half the tokens (8 elements per thread: 4 warps)
+    "bwd4096": {(TR, "TILE_ELEMENTS", "bwd"): 4096, (TR, "ELEMENTS_PER_THREAD", "bwd"): 16},  # the former two-pass tiles (replacement form; the additive form's kind is "bwd_add")
+    "bwd1024": {(TR, "TILE_ELEMENTS", "bwd"): 1024},  # two-pass tiles of half the tokens (8 elements per thread: 4 warps; replacement form)
     "grid32": {(TR, "OCCUPANCY_GRIDS"): frozenset()},  # persistent backward grids of 32 warps per SM, not sized by registers
     "occ-stats": {(TR, "OCCUPANCY_GRIDS"): frozenset({"bwd", "bwd_stats"})},  # site loop's pass one sized too
     "pad": {(TR, "SPLIT_WIDTH"): False},  # head widths padded to a power of two, not split in two tiles
-    "bwd8w": {(TR, "WARPS", "bwd"): 8},  # the two-pass backward on 8 warps whatever its tile
+    "bwd8w": {(TR, "WARPS", "bwd"): 8},  # the replacement form's two-pass backward on 8 warps whatever its tile
     "bwd-add-8w": {(TR, "WARPS", "bwd_add"): 8},  # the additive form's merges on the former tiles (2048 elements, 8 warps)
     "pf2": {(TR, "PREFETCH", k): 2 for k in ("fwd", "bwd", "bwd_stats")},  # two sources in flight per program
     "pf2-fwd": {(TR, "PREFETCH", "fwd"): 2},

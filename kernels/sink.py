@@ -33,7 +33,10 @@ class GradientSink:
     give ``grad_sink=sink`` to :func:`lit_mhar.kernels.route_sites`, :func:`~lit_mhar.kernels.merge_route`
     or :func:`~lit_mhar.kernels.merge_route_norm` with collected aliases as sources. The result
     equals autograd's summation up to the rounding of the sum (each addition rounds to the
-    sources' dtype, as autograd's does).
+    sources' dtype, as autograd's does; the kernels add in float32 and round once, and
+    :meth:`advance` rounds an output's gradient once where autograd casts, then adds). The
+    additive form's residual stream may be collected too (:meth:`advance`, the fused norm).
+    Backward with ``create_graph=True`` raises RuntimeError: the sums carry no graph.
 
     A sink belongs to one forward pass; it holds no reference to the aliases (weak references
     only), so it keeps no graph alive. A routing op given no sink returns its gradients through
@@ -177,6 +180,17 @@ class SinkBinding:
         return self.sink.targets(self.slots, like, new)
 
 
+def _refuse_double_backward() -> None:
+    """The sums a sink holds carry no autograd graph: a backward that builds one (``create_graph``,
+    for a second derivative) would miss every path through them, so it is refused."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "GradientSink: backward with create_graph=True (double backward) is not supported: the gradients the "
+            "sink sums carry no graph; the fused routing kernels' gradients are not differentiable either. Route "
+            "with the reference backend (lit_mhar.kernels.use_backend('reference')) for higher derivatives"
+        )
+
+
 class _Collect(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, sink: GradientSink, slot: int) -> Tensor:
@@ -186,6 +200,7 @@ class _Collect(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Optional[Tensor]):
+        _refuse_double_backward()
         acc = ctx.sink.pop(ctx.slot)
         if acc is None:
             return grad, None, None
@@ -201,6 +216,7 @@ class _Sum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Optional[Tensor]):
+        _refuse_double_backward()
         if grad is not None:
             ctx.sink.add(ctx.slot, grad)
         return None, grad, None, None
@@ -215,6 +231,7 @@ class _Advance(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_stream: Optional[Tensor], d_partial: Optional[Tensor]):
+        _refuse_double_backward()
         stream_slot, partial_slot = ctx.slots
         if d_stream is not None:
             ctx.sink.add(stream_slot, d_stream)
@@ -239,6 +256,7 @@ class _Feed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Optional[Tensor]):
+        _refuse_double_backward()
         for k, g in enumerate(grads):
             if g is not None:
                 ctx.binding.add(k, g)

@@ -1667,7 +1667,9 @@ def merge_route_norm(
     prior, its lse, the sources; the stream in the additive form), not the norm's input; the
     weight's gradient is summed per persistent program and reduced in a fixed order (deterministic).
     With ``grad_sink`` the backward kernel adds the sources' gradients into the sink, and in the
-    additive form the stream's where the sink collected the stream (:meth:`GradientSink.collect`).
+    additive form the stream's where the sink collected the stream (:meth:`GradientSink.collect`);
+    where the sources are cast to a common dtype first, the gradients go through autograd instead
+    (the collected aliases add them to their sums: the same totals).
     """
     check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate)
     _check_dtypes([prior_out])

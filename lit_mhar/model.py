@@ -220,6 +220,8 @@ class Block(nn.Module):
         attn = (lambda x: self.attn(x, cos, sin)) if cache is None else (lambda x: self.attn(x, cos, sin, cache))
         sublayers = ((self.attn_norm, self.attn_site, attn), (self.mlp_norm, self.mlp_site, self.mlp))
         for j, (norm, site, fn) in enumerate(sublayers):
+            if h is not None and history is not None:  # Delta: the stream as the site reads it (DepthHistory.track_stream)
+                h = history.track_stream(h)
             hc = (self.attn_hc, self.mlp_hc)[j]
             if hc is not None:  # Hyper-Connections: read the copies, write the output back into them
                 if self.activation_checkpointing and cache is None and torch.is_grad_enabled():
@@ -366,13 +368,13 @@ class LM(nn.Module):
                 two_phase = not return_routing and resolve_backend(x) == "triton"
                 history = DepthHistory(x.to(dtype), self.cfg.block_size, self.routing_sites(), two_phase)
         h = None if self.cfg.residual == "attnres" else x
-        if self.cfg.residual == "delta" and isinstance(history, DepthHistory):
-            h = history.track_stream(h)  # its gradient summed with the depth history's (SINK_STREAM)
         if self.cfg.residual == "hyper":  # the hyper hidden matrix H^0: n copies of the embedding [B, T, n, d]
             h = x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.hc_rate, x.shape[-1])
         for block, layer_cache in zip(self.blocks, layer_caches):
             h = block(h, history, cos, sin, weights) if layer_cache is None else block(h, history, cos, sin, weights, layer_cache)
         if self.final_site is not None and weights is None:
+            if h is not None:
+                h = history.track_stream(h)
             if self.activation_checkpointing and cache is None and torch.is_grad_enabled():
                 return self.lm_head(checkpoint(history.snapshot().route_norm, self.final_site, self.norm, h, use_reentrant=False))
             return self.lm_head(history.route_norm(self.final_site, self.norm, h))

@@ -116,10 +116,14 @@ class DepthHistory:
         return self.blocks if self.partial is None else [*self.blocks, self.partial]
 
     def track_stream(self, stream: Tensor) -> Tensor:
-        """The additive form's residual stream ``[..., d]`` before the first sublayer, as the routing
-        ops read it: with a sink (``SINK_STREAM``), an alias the sink collected, so that its
-        gradient is summed there; else ``stream`` itself. Pass each later stream to :meth:`append`."""
-        if not SINK_STREAM or self._frozen:
+        """The additive form's residual stream ``[..., d]`` as the next routing site and
+        :meth:`append` read it: with a sink (``SINK_STREAM``), an alias the sink collected, so that
+        its gradient is summed there; else (or if already collected) ``stream`` itself.
+
+        The model passes each stream through here right before its site, and hands on between
+        blocks the plain tensor :meth:`append` returns: an alias's own gradient (what tensor hooks
+        and ``retain_grad`` on it see) lacks what the sink sums, the plain tensor's is complete."""
+        if not SINK_STREAM or self._frozen or self.sink is None or self.sink.holds([stream]):
             return stream
         return self._collect(stream)
 
@@ -127,8 +131,9 @@ class DepthHistory:
         """Record the raw output ``[..., d]`` of sublayer ``sublayer`` (0-based, in order).
 
         With ``stream`` (the additive form's residual stream before that sublayer, as
-        :meth:`track_stream` or the previous call returned it), returns the stream after it,
-        ``stream + output``, summing both in the sink where the stream is collected."""
+        :meth:`track_stream` returned it), returns the stream after it, ``stream + output``, a
+        plain tensor; where the stream is collected, its gradient and the output's are summed in
+        one step (:meth:`GradientSink.advance`)."""
         if self._frozen:
             raise RuntimeError("DepthHistory.append: this is a snapshot(), which is read-only; append to the live history")
         if sublayer != self.n_appended:
@@ -137,7 +142,6 @@ class DepthHistory:
         sink = None if stream is None else self._sink_for([stream] if self.partial is None else [stream, self.partial])
         if sink is not None:  # stream and running sum in one step (GradientSink.advance)
             new_stream, partial = sink.advance(stream, self.partial, output)
-            new_stream = self._collect(new_stream)
             self.partial = self._collect(output if partial is None else partial)
         else:
             if stream is not None:
@@ -323,6 +327,10 @@ class DecodeHistory:
         self.n_routed = 0
         self._prior: Optional[tuple[Tensor, Tensor, int, int]] = None  # (out [G, ..., d], lse [G, ..., H], first site, slots)
         self._stacked: Optional[tuple[Tensor, Tensor]] = None
+
+    def track_stream(self, stream: Tensor) -> Tensor:
+        """``stream`` itself: decoding has no backward (see :meth:`DepthHistory.track_stream`)."""
+        return stream
 
     def append(self, output: Tensor, sublayer: int, stream: Optional[Tensor] = None) -> Optional[Tensor]:
         """Record the raw output ``[..., d]`` of sublayer ``sublayer``; the next :meth:`route_norm` stores it.

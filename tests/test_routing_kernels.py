@@ -747,6 +747,49 @@ def test_model_stream_sink_matches_autograd(monkeypatch, block_size):
         torch.testing.assert_close(g_on[name], g_off[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("block_size", [2, 1], ids=["delta-block-S2", "delta-full"])
+def test_hooks_on_delta_block_outputs_see_the_whole_stream_gradient(monkeypatch, block_size):
+    """A tensor hook on a Delta block's output (the residual stream between blocks) sees the same
+    gradient with the stream summed in the sink as without, and what it returns is used: a hook
+    that halves it changes the parameter gradients the same way on both paths."""
+    from lit_mhar import routing
+
+    idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(routing, "SINK_STREAM", on)
+        model = tiny_model("delta", 2, block_size, n_layer=3)
+        seen = []
+
+        def block_hook(module, args, out):
+            out.register_hook(lambda g: seen.append(g) or g * 0.5)
+
+        for block in model.blocks:
+            block.register_forward_hook(block_hook)
+        with use_backend("triton"):
+            loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        loss.backward()
+        results[on] = seen, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    (seen_on, g_on), (seen_off, g_off) = results[True], results[False]
+    assert len(seen_on) == len(seen_off) == 3 and all(g is not None for g in seen_on)
+    for a, b in zip(seen_on, seen_off):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for name in g_off:
+        torch.testing.assert_close(g_on[name], g_off[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("residual,block_size", [("delta", 2), ("attnres", 2)], ids=["delta-block", "mhar-block"])
+def test_double_backward_through_the_gradient_sink_is_refused(residual, block_size):
+    """The sink's sums carry no graph: a backward with create_graph=True raises a clear error
+    instead of returning second derivatives that miss every path through them."""
+    model = tiny_model(residual, 2, block_size, n_layer=2)
+    idx = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    with use_backend("triton"):
+        loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        with pytest.raises(RuntimeError, match="create_graph=True"):
+            torch.autograd.grad(loss, [model.blocks[0].mlp.down_proj.weight], create_graph=True)
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_gradient_sink_backward_over_some_inputs_then_all(monkeypatch, backend):
     """A backward over one pseudo-query (retain_graph) runs the routing ops but not every
