@@ -123,8 +123,8 @@ class DepthHistory:
         The model passes each stream through here right before its site, and hands on between
         blocks the plain tensor :meth:`append` returns: an alias's own gradient (what tensor hooks
         and ``retain_grad`` on it see) lacks what the sink sums, the plain tensor's is complete."""
-        if not SINK_STREAM or self._frozen or self.sink is None or self.sink.holds([stream]):
-            return stream
+        if not SINK_STREAM or self._frozen or self.sink is None or torch.compiler.is_compiling() or self.sink.holds([stream]):
+            return stream  # (under torch.compile, a block compiled on its own, the sink is not traced)
         return self._collect(stream)
 
     def append(self, output: Tensor, sublayer: int, stream: Optional[Tensor] = None) -> Optional[Tensor]:

@@ -659,11 +659,7 @@ def test_model_gradient_sink_matches_autograd_summation(monkeypatch, residual, b
     results = []
     for on in (True, False):
         monkeypatch.setattr(routing, "SINK_SOURCE_GRADIENTS", on)
-        model.zero_grad()
-        with use_backend("triton"):
-            loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        results.append(triton_loss_and_grads(model, idx))
     (loss_on, g_on), (loss_off, g_off) = results
     assert torch.equal(loss_on, loss_off) and g_on.keys() == g_off.keys()
     for name in g_on:
@@ -733,11 +729,7 @@ def test_model_stream_sink_matches_autograd(monkeypatch, block_size):
     results = []
     for on in (True, False):
         monkeypatch.setattr(routing, "SINK_STREAM", on)
-        model.zero_grad()
-        with use_backend("triton"):
-            loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        results.append(triton_loss_and_grads(model, idx))
     sites = 2 * 3 + 1
     assert sum(slot is not None for slot in bound[True]) == sites  # every fused norm bound the stream
     assert all(slot is None for slot in bound[False])
@@ -766,10 +758,7 @@ def test_hooks_on_delta_block_outputs_see_the_whole_stream_gradient(monkeypatch,
 
         for block in model.blocks:
             block.register_forward_hook(block_hook)
-        with use_backend("triton"):
-            loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
-        loss.backward()
-        results[on] = seen, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[on] = seen, triton_loss_and_grads(model, idx)[1]
     (seen_on, g_on), (seen_off, g_off) = results[True], results[False]
     assert len(seen_on) == len(seen_off) == 3 and all(g is not None for g in seen_on)
     for a, b in zip(seen_on, seen_off):
@@ -923,6 +912,15 @@ def tiny_model(residual, heads, block_size, n_layer=3):
             site.gate.data = torch.randn(site.gate.shape, generator=g)
     # on a GPU machine the compiled kernels; on CPU the interpreter
     return model.to(DEVICE)
+
+
+def triton_loss_and_grads(model, idx):
+    """(loss, {name: gradient}) of one forward and backward of ``model`` on the Triton path."""
+    model.zero_grad()
+    with use_backend("triton"):
+        loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize(
