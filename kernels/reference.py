@@ -143,7 +143,7 @@ def route_sites(
         queries, gains: ``[S, d]``: pseudo-query and key-norm gain of each site.
         heads, eps: as in :func:`depth_route`.
         grad_sink: a :class:`lit_mhar.kernels.sink.GradientSink` whose collected aliases
-            ``sources`` are (a prefix, in order): the sources' gradients are added into it rather
+            ``sources`` are (each once, any of them): the sources' gradients are added into it rather
             than returned through autograd (the aliases hand the sums on). None: plain autograd.
 
     Returns:

@@ -62,18 +62,25 @@ class GradientSink:
     def sum(self, partial: Tensor, output: Tensor) -> Tensor:
         """``partial + output`` ``[..., d]`` (a block's running sum), ``partial`` a collected alias:
         the sum's gradient goes to ``output`` through autograd and into ``partial``'s slot."""
-        (slot,) = self.slots([partial], "GradientSink.sum")
-        return _Sum.apply(partial, output, self, slot)
+        return self.advance(None, partial, output)[1]
 
-    def advance(self, stream: Tensor, partial: Optional[Tensor], output: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+    def advance(
+        self, stream: Optional[Tensor], partial: Optional[Tensor], output: Tensor
+    ) -> tuple[Optional[Tensor], Optional[Tensor]]:
         """One sublayer's ``output`` ``[..., d]`` added to the residual stream (Delta AttnRes) and to
-        the running sum of the block in progress: ``(stream + output, partial + output)``, or
-        ``(stream + output, None)`` with ``partial`` None. ``stream`` and ``partial`` are collected
-        aliases: their gradients go into their slots (where the routing ops' backward kernels add to
-        them), and ``output``'s gradient, the sum of the two, is computed in one operation in
-        ``output``'s dtype (rounded once) instead of autograd's cast and addition."""
-        slots = self.slots([stream] if partial is None else [stream, partial], "GradientSink.advance")
-        return _Advance.apply(stream, partial, output, self, *slots, *([None] if partial is None else []))
+        the running sum of the block in progress: ``(stream + output, partial + output)``, None in
+        place of either that is None (not both). ``stream`` and ``partial`` are collected aliases:
+        their gradients go into their slots (where the routing ops' backward kernels add to them),
+        and ``output``'s gradient, the sum of the two, is computed in one operation in ``output``'s
+        dtype (rounded once) instead of autograd's cast and addition. ValueError for an argument
+        the sink did not collect."""
+        given = [t for t in (stream, partial) if t is not None]
+        if not given:
+            raise ValueError("GradientSink.advance: stream and partial are both None; give at least one")
+        slots = iter(self.slots(given, "GradientSink.advance"))
+        stream_slot = None if stream is None else next(slots)
+        partial_slot = None if partial is None else next(slots)
+        return _Advance.apply(stream, partial, output, self, stream_slot, partial_slot)
 
     def holds(self, sources: Sequence[Tensor]) -> bool:
         """Whether every one of ``sources`` is an alias :meth:`collect` returned (once each)."""
@@ -207,38 +214,19 @@ class _Collect(torch.autograd.Function):
         return (acc if grad is None else acc + grad), None, None
 
 
-class _Sum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, partial: Tensor, output: Tensor, sink: GradientSink, slot: int) -> Tensor:
-        ctx.sink, ctx.slot = sink, slot
-        ctx.set_materialize_grads(False)
-        return partial + output
-
-    @staticmethod
-    def backward(ctx, grad: Optional[Tensor]):
-        _refuse_double_backward()
-        if grad is not None:
-            ctx.sink.add(ctx.slot, grad)
-        return None, grad, None, None
-
-
 class _Advance(torch.autograd.Function):
     @staticmethod
     def forward(ctx, stream, partial, output, sink, stream_slot, partial_slot):
         ctx.sink, ctx.slots, ctx.dtype = sink, (stream_slot, partial_slot), output.dtype
         ctx.set_materialize_grads(False)
-        return stream + output, (None if partial is None else partial + output)
+        return (None if stream is None else stream + output), (None if partial is None else partial + output)
 
     @staticmethod
     def backward(ctx, d_stream: Optional[Tensor], d_partial: Optional[Tensor]):
         _refuse_double_backward()
-        stream_slot, partial_slot = ctx.slots
-        if d_stream is not None:
-            ctx.sink.add(stream_slot, d_stream)
-        if d_partial is not None and partial_slot is not None:
-            ctx.sink.add(partial_slot, d_partial)
-        else:
-            d_partial = None
+        for slot, grad in zip(ctx.slots, (d_stream, d_partial)):
+            if grad is not None:
+                ctx.sink.add(slot, grad)
         if d_stream is None or d_partial is None:
             grads = [g for g in (d_stream, d_partial) if g is not None]
             d_output = grads[0].to(ctx.dtype) if grads else None

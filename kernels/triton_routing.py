@@ -103,8 +103,8 @@ WARPS: dict[str, int] = {}
 # norm, timed in a CUDA graph; BENCHMARKS.md, ninth set): the additive form's backward ("bwd_add")
 # on 1024 elements and 2 warps took forward + backward from 0.498 to 0.353 ms at 350m and from
 # 0.954 to 0.655 at 100m (Delta block in training 0.876 against 0.856 x prenorm at 350m, 0.813
-# against 0.788 at 100m); the forward of a merge ("merge_fwd") reads and writes near the copy
-# bandwidth on every tile tried (0.060-0.070 ms at 350m), so it keeps the forward's tile; the
+# against 0.788 at 100m); the forward of a merge ("merge_fwd") moved its 201 MB at 2.9-3.4 TB/s
+# on every tile tried (0.060-0.070 ms at 350m), so it keeps the forward's tile; the
 # replacement form's backward measured within the spread of training ("bwd", 2048 on 8 warps kept).
 # Not used where ``WARPS`` names the kind (tuning runs).
 TUNED_TILES: dict[tuple[str, int], tuple[int, int]] = {

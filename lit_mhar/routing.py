@@ -56,7 +56,8 @@ SINK_SOURCE_GRADIENTS = True
 # backward kernel adds its gradient to the one arriving from the next stream (instead of autograd's
 # float32 addition per sublayer), and each sublayer's output gets its gradient, the stream's plus
 # the running sum's, in one operation (:meth:`GradientSink.advance`) instead of a cast and an
-# addition. A knob.
+# addition. Delta block 0.882 / 0.878 against 0.875 x prenorm at 350m, 0.821 / 0.813 against 0.809
+# at 100m; Delta full 0.689 against 0.681, 0.706 against 0.701 (BENCHMARKS.md, ninth set). A knob.
 SINK_STREAM = True
 
 
@@ -138,20 +139,19 @@ class DepthHistory:
             raise RuntimeError("DepthHistory.append: this is a snapshot(), which is read-only; append to the live history")
         if sublayer != self.n_appended:
             raise ValueError(f"DepthHistory: got sublayer {sublayer}, expected {self.n_appended} (sublayers run in order)")
-        new_stream = None
-        sink = None if stream is None else self._sink_for([stream] if self.partial is None else [stream, self.partial])
-        if sink is not None:  # stream and running sum in one step (GradientSink.advance)
-            new_stream, partial = sink.advance(stream, self.partial, output)
-            self.partial = self._collect(output if partial is None else partial)
-        else:
-            if stream is not None:
-                new_stream = stream + output
-            if self.partial is None:
-                self.partial = self._collect(output)
-            elif self._sink_for([self.partial]) is None:
-                self.partial = self._collect(self.partial + output)
-            else:  # each running sum is a source of its own slot; the sum hands its gradient to the older one's
-                self.partial = self._collect(self.sink.sum(self.partial, output))
+        # the stream and the running sum advance in one step (GradientSink.advance) where the sink
+        # collected them: each hands its gradient to its slot (each running sum is a source of its
+        # own slot); the others go through autograd
+        sunk_stream = stream is not None and self._sink_for([stream]) is not None
+        sunk_partial = self.partial is not None and self._sink_for([self.partial]) is not None
+        new_stream = partial = None
+        if sunk_stream or sunk_partial:
+            new_stream, partial = self.sink.advance(stream if sunk_stream else None, self.partial if sunk_partial else None, output)
+        if stream is not None and not sunk_stream:
+            new_stream = stream + output
+        if not sunk_partial:
+            partial = output if self.partial is None else self.partial + output
+        self.partial = self._collect(partial)
         self.n_appended += 1
         if self.n_appended % self.block_size == 0:
             self.blocks.append(self.partial)

@@ -709,6 +709,22 @@ def test_gradient_sink_advance_matches_autograd(dtype, with_partial):
             torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2, msg=name)
 
 
+def test_gradient_sink_advance_refuses_what_it_did_not_collect():
+    from lit_mhar.kernels import GradientSink
+
+    sink = GradientSink()
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    alias = sink.collect(x)
+    with pytest.raises(ValueError, match="both None"):
+        sink.advance(None, None, x)
+    with pytest.raises(ValueError, match="GradientSink.advance"):
+        sink.advance(x * 1, None, x)  # not an alias the sink returned
+    with pytest.raises(ValueError, match="GradientSink.advance"):
+        sink.advance(alias, alias, x)  # the same alias twice
+    stream, partial = sink.advance(alias, None, x)
+    assert partial is None and torch.equal(stream, 2 * x)
+
+
 @pytest.mark.parametrize("block_size", [2, 1], ids=["delta-block-S2", "delta-full"])
 def test_model_stream_sink_matches_autograd(monkeypatch, block_size):
     """Delta's residual stream summed in the sink (SINK_STREAM, the default) against autograd's
