@@ -10,7 +10,8 @@ host needs to launch it) is checked against the package's default configuration
 (relative L2 difference of the output or of every gradient) and then timed with
 ``triton.testing.do_bench`` (median), the other kinds at their defaults. A configuration whose
 check fails gets no time. It also times the two backward kernels against each other at one site
-and N sources, which sets ``SITE_LOOP_MIN_SOURCES``.
+and N sources, which sets ``SITE_LOOP_MIN_SOURCES``, and (``--shapes dots``) pass one of the site
+loop on matrix units against the vector kernel, by warps, programs per SM and sources per tile.
 
     python benchmarks/tune_tiles.py --scale 350m --out OUT    # writes OUT/tune_tiles.csv
 """
@@ -115,6 +116,7 @@ def main(argv=None):
     d, layers, M = SCALES[args.scale]
     S = 2 * layers // 8
     defaults = (dict(tr.TILE_ELEMENTS), dict(tr.WARPS))
+    defaults_dot = (tr.DOT_STATS, tr.DOT_WARPS, tr.DOT_PROGRAMS_PER_SM, tr.DOT_SOURCES)
     path = os.path.join(args.out, "tune_tiles.csv")
     with open(path, "a", newline="") as fh:
         w = csv.DictWriter(fh, FIELDS)
@@ -166,6 +168,36 @@ def main(argv=None):
             del data, fwd, bwd, ref_out, ref_grads
             tr.TILE_ELEMENTS.update(defaults[0])
             tr.WARPS.clear()
+            torch.cuda.empty_cache()
+
+        # pass one of the site loop on matrix units against the vector kernel: the whole backward of
+        # phase one (pass two unchanged), block routing's pass and full routing's groups of 8 sites
+        dot_shapes = [(f"dots-N8-S{S}-H8", 8, S), ("dots-N9-S8-H8", 9, 8), (f"dots-N{2 * layers - 7}-S8-H8", 2 * layers - 7, 8)]
+        dot_configs = [None] + list(itertools.product((1, 2, 4), (8, 16, 32), (16, 32)))
+        for name, n, sites in dot_shapes if "dots" in families else ():
+            data = make(M, d, n, sites, 8, seed=n)
+            tr.DOT_STATS = False
+            fwd, bwd = runner(*data, 8)
+            ref_grads = [g.clone() for g in bwd()]
+            for config in dot_configs:
+                tr.DOT_STATS = config is not None
+                if config is not None:
+                    tr.DOT_WARPS, tr.DOT_PROGRAMS_PER_SM, tr.DOT_SOURCES = config
+                row = dict(shape=name, kind="bwd_stats" if config is None else "bwd_stats_dot",
+                           elements="" if config is None else f"BN{config[2]}/per-SM{config[1]}", warps="" if config is None else config[0])
+                try:
+                    _, b2 = runner(*data, 8)
+                    diff = max(rel(g, r) for g, r in zip(b2(), ref_grads))
+                    row["rel_diff"] = f"{diff:.1e}"
+                    if diff > 1e-2:
+                        row["status"] = "FAILED check"
+                    else:
+                        row.update(ms=f"{do_bench(b2, warmup=5, rep=50, return_mode='median'):.4f}", status="ok")
+                except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a result
+                    row.update(status=f"error {e!r}"[:160])
+                emit(row)
+            tr.DOT_STATS, tr.DOT_WARPS, tr.DOT_PROGRAMS_PER_SM, tr.DOT_SOURCES = defaults_dot
+            del data, fwd, bwd, ref_grads
             torch.cuda.empty_cache()
 
         # one site over N sources: two-pass against site-loop backward

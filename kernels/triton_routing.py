@@ -162,6 +162,14 @@ SPLIT_SOURCES_RSTD_HEADS = 2
 # Sources in flight per program in the loops over sources (1 or 2), by launch kind: the loop loads
 # source i + PREFETCH while it works on source i. A benchmark knob.
 PREFETCH = {"fwd": 1, "bwd": 1, "bwd_stats": 1}
+# Pass one of the site loop on matrix units (``_route_bwd_stats_dot``) where it applies
+# (``_stats_on_dots``): sources per tile, warps and programs per SM of its grid. A benchmark knob.
+DOT_STATS = True
+DOT_SOURCES = 16
+DOT_WARPS = 2
+DOT_PROGRAMS_PER_SM = 16
+DOT_MAX_SITES = 16
+DOT_MAX_HEAD_WIDTH = 128
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -713,6 +721,106 @@ def _route_bwd_stats(
             tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col_t, dgate_acc_t, mask=h_i < H)
 
 
+def _route_bwd_stats_dot(
+    src_base, src_offs, n_src,
+    w_ptr, n_sites,
+    g_base, g_offs,
+    lse_ptr, dlse_ptr,
+    dsum_ptr, dw_ptr, sa_ptr, rstd_ptr,
+    M, progs,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+    ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # Site-loop backward, pass one, on matrix units: the same outputs as ``_route_bwd_stats``
+    # (replacement form, saved key rstd, head width DH a power of two >= 16). Program (p, h) serves
+    # head h of tokens p, p + progs, ... one token at a time; per token, all sites of the pass and a
+    # tile of BN sources form four products of a [BS, DH] and a [DH, BN] (or [BN, DH]) matrix:
+    #   scores  sc = rstd * W V^T,   a = dR V^T,                              [BS, BN]
+    #   X += (alpha a rstd) V,       Y += (alpha rstd) V  (Y per token),      [BS, DH]
+    # and dw (this head's slice) = sum_tokens X - D * Y, D = sum_i alpha_i a_i - dlse. With SPLIT
+    # (bf16 sources and gradients) the float32 factors (W, the coefficients) enter as bf16 pairs
+    # hi + lo, so every product is exact to about 2^-16 relative and sums are float32; V and dR are
+    # exact in bf16. DOT_F32 (the interpreter, and float32 inputs) multiplies in float32 instead.
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    s_1 = tl.arange(0, BS)
+    smask = s_1 < n_sites
+    c_1 = tl.arange(0, DH)
+    jn = tl.arange(0, BN)
+    col = h * DH + c_1[None, :]  # [1, DH]
+    w = tl.load(w_ptr + s_1[:, None] * D + col, mask=smask[:, None], other=0.0)  # [BS, DH] float32
+    if SPLIT:
+        w_hi = w.to(tl.bfloat16)
+        w_lo = (w - w_hi.to(tl.float32)).to(tl.bfloat16)
+        if DOT_F32:
+            w_hi = w_hi.to(tl.float32)
+            w_lo = w_lo.to(tl.float32)
+    g_off = tl.multiple_of(tl.load(g_offs + s_1, mask=smask, other=0), G_ALIGN)[:, None]  # [BS, 1]
+    dw_acc = tl.full([BS, DH], 0.0, tl.float32)
+    for m in range(pid, M, progs):
+        row = tl.cast(m, tl.int64) * D
+        dr = tl.load(g_base + g_off + row + col, mask=smask[:, None], other=0.0)  # [BS, DH]
+        if DOT_F32:
+            dr = dr.to(tl.float32)
+        lse = tl.load(lse_ptr + (s_1.to(tl.int64) * M + m) * H + h, mask=smask, other=0.0)  # [BS]
+        dsum = tl.full([BS], 0.0, tl.float32)
+        y = tl.full([BS, DH], 0.0, tl.float32)
+        for j0 in range(0, n_src, BN):
+            j_1 = j0 + jn
+            jmask = j_1 < n_src
+            off = tl.multiple_of(tl.load(src_offs + j_1, mask=jmask, other=0), ALIGN)[:, None]  # [BN, 1]
+            v = tl.load(src_base + off + row + col, mask=jmask[:, None], other=0.0)  # [BN, DH]
+            rstd = tl.load(rstd_ptr + j_1.to(tl.int64) * M + m, mask=jmask, other=1.0)[None, :]  # [1, BN]
+            if DOT_F32:
+                v = v.to(tl.float32)
+            vt = tl.trans(v)
+            if SPLIT:
+                if DOT_F32:
+                    sc = tl.dot(w_hi, vt, input_precision="ieee")
+                    sc = tl.dot(w_lo, vt, sc, input_precision="ieee")
+                    a = tl.dot(dr, vt, input_precision="ieee")
+                else:
+                    sc = tl.dot(w_hi, vt)
+                    sc = tl.dot(w_lo, vt, sc)
+                    a = tl.dot(dr, vt)
+            else:
+                sc = tl.dot(w, vt, input_precision="ieee")
+                a = tl.dot(dr, vt, input_precision="ieee")
+            sc = sc * rstd  # [BS, BN]
+            live = smask[:, None] & jmask[None, :]
+            alpha = tl.where(live, tl.exp(sc - lse[:, None]), 0.0)
+            sa_off = ((s_1[:, None].to(tl.int64) * n_src + j_1[None, :]) * M + m) * H * 2 + h * 2
+            tl.store(sa_ptr + sa_off, sc, mask=live)
+            tl.store(sa_ptr + sa_off + 1, a, mask=live)
+            dsum += tl.reduce(alpha * a, 1, _ADD)
+            c_x = alpha * a * rstd
+            c_y = alpha * rstd
+            if SPLIT:
+                x_hi = c_x.to(tl.bfloat16)
+                x_lo = (c_x - x_hi.to(tl.float32)).to(tl.bfloat16)
+                y_hi = c_y.to(tl.bfloat16)
+                y_lo = (c_y - y_hi.to(tl.float32)).to(tl.bfloat16)
+                if DOT_F32:
+                    dw_acc = tl.dot(x_hi.to(tl.float32), v, dw_acc, input_precision="ieee")
+                    dw_acc = tl.dot(x_lo.to(tl.float32), v, dw_acc, input_precision="ieee")
+                    y = tl.dot(y_hi.to(tl.float32), v, y, input_precision="ieee")
+                    y = tl.dot(y_lo.to(tl.float32), v, y, input_precision="ieee")
+                else:
+                    dw_acc = tl.dot(x_hi, v, dw_acc)
+                    dw_acc = tl.dot(x_lo, v, dw_acc)
+                    y = tl.dot(y_hi, v, y)
+                    y = tl.dot(y_lo, v, y)
+            else:
+                dw_acc = tl.dot(c_x, v, dw_acc, input_precision="ieee")
+                y = tl.dot(c_y, v, y, input_precision="ieee")
+        if HAS_DLSE:  # d lse_h enters every score like a constant shift of its D
+            dsum -= tl.load(dlse_ptr + (s_1.to(tl.int64) * M + m) * H + h, mask=smask, other=0.0)
+        tl.store(dsum_ptr + (s_1.to(tl.int64) * M + m) * H + h, dsum, mask=smask)
+        dw_acc -= dsum[:, None] * y
+    # partial row of (site, this program's share): [progs, n_sites, d], summed by the host
+    tl.store(dw_ptr + (tl.cast(pid, tl.int64) * n_sites + s_1[:, None]) * D + col, dw_acc, mask=smask[:, None])
+
+
 def _route_bwd_sources(
     src_base, src_offs, n_src,
     w_ptr, n_sites,
@@ -957,6 +1065,7 @@ def _kernel(name: str, interpret: bool):
     """
     fn = {
         "fwd": _route_fwd, "bwd": _route_bwd, "bwd_stats": _route_bwd_stats, "bwd_sources": _route_bwd_sources,
+        "bwd_stats_dot": _route_bwd_stats_dot,
         "decode": _decode_route_norm,
     }[name]
     if interpret:
@@ -979,7 +1088,7 @@ _RESIDENT_FALLBACKS: dict = {}  # configurations whose registers could not be re
 # merge backward from 19.4 to 15.0 ms per step, while sizing pass one of the site loop made full
 # routing's 8-site passes 1.6x slower (52.5 against 33.1 ms per step), so it stays off for that
 # kernel. A benchmark knob.
-OCCUPANCY_GRIDS = frozenset({"bwd"})
+OCCUPANCY_GRIDS = frozenset({"bwd", "bwd_stats_dot"})
 
 
 def _resident_programs(name: str, device: torch.device, args: tuple, kwargs: dict) -> int:
@@ -1279,6 +1388,19 @@ def _backward(
 
 
 
+def _stats_on_dots(n_sites: int, d: int, heads: int, dt: int, gate: Optional[Tensor], has_rstd: bool, dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
+    """Whether pass one of the site loop runs on matrix units (``_route_bwd_stats_dot``): ``DOT_STATS``,
+    the replacement form with the key rstd saved, sites that fit one tile of ``DOT_MAX_SITES``, a
+    head width that is a power of two from 16 to ``DOT_MAX_HEAD_WIDTH`` (``tl.dot`` shapes), and
+    bf16 or float32 sources with gradients of the same dtype."""
+    dh = d // heads
+    return (
+        DOT_STATS and gate is None and has_rstd and dt == 0 and n_sites <= DOT_MAX_SITES
+        and 16 <= dh <= DOT_MAX_HEAD_WIDTH and dh & (dh - 1) == 0
+        and dtype in (torch.bfloat16, torch.float32) and grad_dtype == dtype
+    )
+
+
 def _backward_site_loop(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float, gate: Optional[Tensor],
     lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], rstd: Optional[Tensor] = None,
@@ -1340,9 +1462,34 @@ def _backward_site_loop(
     else:
         resident = _resident_programs("bwd_stats", device, stats_args(w, w, max(1, 32 // warps)), flags)
         per_group = min(num_tiles, triton.cdiv(_sm_count(device.index or 0) * resident, n_groups))
-    dw = _new((per_group * n_sites, d), torch.float32, device)
-    dgate = _new((per_group, d) if gate is not None else (0,), torch.float32, device)
-    _kernel("bwd_stats", interpret)[(per_group * n_groups,)](*stats_args(dw, dgate if gate is not None else w, per_group), **flags)
+    if _stats_on_dots(n_sites, d, heads, dt, gate, has_rstd, like.dtype, grads[0].dtype):
+        # pass one on matrix units: program (p, h) takes head h of every progs-th token
+        dot_flags = dict(
+            D=d, H=heads, DH=d // heads, BS=max(16, triton.next_power_of_2(n_sites)), BN=DOT_SOURCES,
+            ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), HAS_DLSE=grad_lse is not None,
+            SPLIT=like.dtype == torch.bfloat16, DOT_F32=interpret or like.dtype == torch.float32,
+            num_warps=WARPS.get("bwd_stats_dot", DOT_WARPS),
+        )
+
+        def dot_args(dw: Tensor, progs: int) -> tuple:
+            return (
+                base, src_offs, n_src, w, n_sites, grads[0], g_offs, lse, grad_lse.contiguous() if grad_lse is not None else w,
+                dsum, dw, score_a, rstd, M, progs,
+            )
+
+        if interpret:
+            progs = min(M, 2)
+        else:  # one wave: every program strides over the same number of tokens
+            resident = min(DOT_PROGRAMS_PER_SM, _resident_programs("bwd_stats_dot", device, dot_args(w, 1), dot_flags))
+            progs = min(M, max(1, _sm_count(device.index or 0) * resident // heads))
+        dw = _new((progs * n_sites, d), torch.float32, device)
+        dgate = _new((0,), torch.float32, device)
+        per_group = progs
+        _kernel("bwd_stats_dot", interpret)[(progs, heads)](*dot_args(dw, progs), **dot_flags)
+    else:
+        dw = _new((per_group * n_sites, d), torch.float32, device)
+        dgate = _new((per_group, d) if gate is not None else (0,), torch.float32, device)
+        _kernel("bwd_stats", interpret)[(per_group * n_groups,)](*stats_args(dw, dgate if gate is not None else w, per_group), **flags)
     _kernel("bwd_sources", interpret)[(triton.cdiv(M, bm_src) * n_src,)](
         base, src_offs, n_src, w, n_sites, grads[0], g_offs,
         lse, dsum, score_a, gate_c, targets[0], _offsets(targets, targets[0]), addends[0], _offsets(addends, addends[0]), n_acc, rstd,

@@ -290,6 +290,72 @@ def test_saved_rstd_matches_float64_reference(monkeypatch, sites, n):
         assert max(errs) < TOL[torch.float32], (save, errs)
 
 
+def pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, on_dots=True):
+    """Phase one (``route_sites``) with pass one of the site loop on matrix units or not: errors of
+    the outputs, lse and every gradient (sources, queries, gains; with an lse gradient) against
+    float64, and whether the matrix kernel ran."""
+    monkeypatch.setattr(tr, "DOT_STATS", on_dots)
+    ran = []
+    decide = tr._stats_on_dots
+    monkeypatch.setattr(tr, "_stats_on_dots", lambda *a: ran.append(decide(*a)) or ran[-1])
+    g = torch.Generator().manual_seed(100 + n + sites + d)
+    shape = (tokens, d) if tokens % 2 else (2, tokens // 2, d)
+    srcs = [(torch.randn(shape, generator=g) * (0.5 + i % 3)).to(DEVICE, dtype) for i in range(n)]
+    queries = (2.0 * (heads / d) ** 0.5 * torch.randn(sites, d, generator=g)).to(DEVICE)
+    gains = (1 + 0.3 * torch.randn(sites, d, generator=g)).to(DEVICE)
+    douts = [torch.randn(shape, generator=g, dtype=torch.float64).to(DEVICE) for _ in range(sites)]
+    dlse = torch.randn(sites, *shape[:-1], heads, generator=g, dtype=torch.float64).to(DEVICE)
+
+    def run(impl, cast):
+        leaves = [cast(x).requires_grad_() for x in (*srcs, queries, gains)]
+        outs, lse = impl.route_sites(leaves[:n], leaves[n], leaves[n + 1], heads)
+        loss = sum((o.double() * d_).sum() for o, d_ in zip(outs, douts)) + (lse.double() * dlse).sum()
+        return [*outs, lse, *torch.autograd.grad(loss, leaves)]
+
+    with use_backend("triton"):
+        got = run(tr, lambda x: x.detach().clone())
+    ref = run(reference, lambda x: x.detach().double())
+    return [rel_err(a, b) for a, b in zip(got, ref)], any(ran)
+
+
+DOT_CPU = [
+    (1, 3, 4, 64, 37, torch.float32), (9, 8, 8, 256, 19, torch.bfloat16), (17, 8, 4, 128, 23, torch.float32),
+    (33, 16, 2, 64, 5, torch.bfloat16), (2, 2, 1, 32, 30, torch.bfloat16), (9, 1, 8, 512, 7, torch.float32),
+]
+
+
+@pytest.mark.parametrize("n,sites,heads,d,tokens,dtype", DOT_CPU, ids=[f"N{c[0]}-S{c[1]}-H{c[2]}-d{c[3]}-T{c[4]}-{str(c[5]).split('.')[-1]}" for c in DOT_CPU])
+def test_pass_one_on_matrix_units_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype):
+    """Pass one of the site loop as products of [sites, d/H] and [d/H, sources] tiles
+    (``_route_bwd_stats_dot``): one and several tiles of sources (N = 1 .. 33 against tiles of 16),
+    1 to 16 sites, head widths 16 to 64, float32 and bf16 (whose float32 factors enter as bf16
+    pairs), token counts no tile divides: the outputs, lse and every gradient against float64
+    within the dtype's tolerance, as close as the vector kernel's, and the matrix kernel ran."""
+    errs, ran = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype)
+    assert ran, "the matrix kernel did not run"
+    assert max(errs) < TOL[dtype], errs
+    vector, ran = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, on_dots=False)
+    assert not ran
+    # query and gain gradients (float32 outputs: the last two) no further from float64 than the
+    # vector kernel's, up to the bf16 pairs' 2^-16 per product
+    for e, v in zip(errs[-2:], vector[-2:]):
+        assert e <= 1.5 * v + 4e-5, (errs, vector)
+
+
+def test_pass_one_on_matrix_units_only_where_it_applies():
+    """The matrix kernel takes the replacement form with the key rstd saved, at most 16 sites, a
+    head width that is a power of two in 16 .. 128, bf16 or float32; anything else keeps the
+    vector kernel."""
+    ok = dict(n_sites=8, d=1024, heads=8, dt=0, gate=None, has_rstd=True, dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
+    assert tr._stats_on_dots(**ok)
+    for change in (
+        dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(heads=1), dict(d=96, heads=8),
+        dict(d=1280, dt=32), dict(d=64, heads=8), dict(dtype=torch.float16, grad_dtype=torch.float16),
+        dict(grad_dtype=torch.float32),
+    ):
+        assert not tr._stats_on_dots(**{**ok, **change}), change
+
+
 def test_saved_rstd_only_when_a_backward_will_run():
     """No key rstd is written under no_grad or when no input requires a gradient."""
     g = torch.Generator().manual_seed(4)
