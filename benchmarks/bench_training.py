@@ -71,9 +71,8 @@ KNOBS = {
     "grid32": {(TR, "OCCUPANCY_GRIDS"): frozenset()},  # persistent backward grids of 32 warps per SM, not sized by registers
     "occ-stats": {(TR, "OCCUPANCY_GRIDS"): frozenset({"bwd", "bwd_stats", "bwd_stats_dot"})},  # site loop's pass one sized too
     "vector-stats": {(TR, "DOT_STATS"): False},  # pass one of the site loop on the vector kernel, not matrix units
-    "dot-w1": {(TR, "DOT_WARPS"): 1},  # pass one on matrix units: 1 or 4 warps per program (default 2)
-    "dot-w4": {(TR, "DOT_WARPS"): 4},
-    "dot-bn32": {(TR, "DOT_SOURCES"): 32},  # tiles of 32 sources (default 16)
+    "dot-w8": {(TR, "DOT_WARPS"): 8},  # pass one on matrix units: 8 warps per program (default 4)
+    "dot-rows128": {(TR, "DOT_ROWS"): 128},  # tiles of about 128 (token, source) rows (default 64)
     "pad": {(TR, "SPLIT_WIDTH"): False},  # head widths padded to a power of two, not split in two tiles
     "bwd8w": {(TR, "WARPS", "bwd"): 8},  # the replacement form's two-pass backward on 8 warps whatever its tile
     "bwd-add-8w": {(TR, "WARPS", "bwd_add"): 8},  # the additive form's merges on the former tiles (2048 elements, 8 warps)

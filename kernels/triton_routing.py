@@ -163,12 +163,15 @@ SPLIT_SOURCES_RSTD_HEADS = 2
 # source i + PREFETCH while it works on source i. A benchmark knob.
 PREFETCH = {"fwd": 1, "bwd": 1, "bwd_stats": 1}
 # Pass one of the site loop on matrix units (``_route_bwd_stats_dot``) where it applies
-# (``_stats_on_dots``): sources per tile, warps and programs per SM of its grid. A benchmark knob.
+# (``_stats_on_dots``): rows per tile (``_dot_tile``), warps and programs per SM of its grid, and
+# the sizes it takes. A benchmark knob.
 DOT_STATS = True
-DOT_SOURCES = 16
-DOT_WARPS = 2
+DOT_ROWS = 64
+DOT_WARPS = 4
 DOT_PROGRAMS_PER_SM = 16
 DOT_MAX_SITES = 16
+DOT_MAX_SOURCES = 64
+DOT_MIN_HEAD_WIDTH = 16
 DOT_MAX_HEAD_WIDTH = 128
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
@@ -723,102 +726,102 @@ def _route_bwd_stats(
 
 def _route_bwd_stats_dot(
     src_base, src_offs, n_src,
-    w_ptr, n_sites,
+    w_ptr, wlo_ptr, n_sites,
     g_base, g_offs,
     lse_ptr, dlse_ptr,
     dsum_ptr, dw_ptr, sa_ptr, rstd_ptr,
-    M, progs,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+    M, num_tiles, progs,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
     ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # Site-loop backward, pass one, on matrix units: the same outputs as ``_route_bwd_stats``
-    # (replacement form, saved key rstd, head width DH a power of two >= 16). Program (p, h) serves
-    # head h of tokens p, p + progs, ... one token at a time; per token, all sites of the pass and a
-    # tile of BN sources form four products of a [BS, DH] and a [DH, BN] (or [BN, DH]) matrix:
-    #   scores  sc = rstd * W V^T,   a = dR V^T,                              [BS, BN]
-    #   X += (alpha a rstd) V,       Y += (alpha rstd) V  (Y per token),      [BS, DH]
-    # and dw (this head's slice) = sum_tokens X - D * Y, D = sum_i alpha_i a_i - dlse. With SPLIT
-    # (bf16 sources and gradients) the float32 factors (W, the coefficients) enter as bf16 pairs
-    # hi + lo, so every product is exact to about 2^-16 relative and sums are float32; V and dR are
-    # exact in bf16. DOT_F32 (the interpreter, and float32 inputs) multiplies in float32 instead.
+    # (replacement form, saved key rstd, all N <= BN sources in one tile, head width DH a power of
+    # two >= 16). Program (p, h) serves head h of token tiles p, p + progs, ... A tile of BM tokens
+    # is held as two matrices of rows (token, site) [BM*BS, DH] (the sites' output gradients dR;
+    # the weights W = q * g repeated per token) and rows (token, source) [BM*BN, DH] (V), so that
+    #   sc = rstd * W V^T,  a = dR V^T                                        [BM*BS, BM*BN]
+    # are plain products; only the blocks where the two rows' tokens agree are used (the others are
+    # masked off: matrix units have the spare throughput). With every source of a token in the
+    # tile, D = sum_i alpha_i a_i - dlse is complete before the weight gradient's product
+    #   dw += (ds * rstd) V,  ds = alpha * (a - D)                            [BM*BS, DH]
+    # (rows summed per site at the end), so it needs no second pass and no X - D * Y cancellation.
+    # With SPLIT (bf16 sources and gradients) float32 factors (W, the coefficients) enter as bf16
+    # pairs hi + lo: products exact to about 2^-16 relative, sums in float32; V and dR are exact
+    # in bf16. DOT_F32 (the interpreter, float32 inputs) multiplies in float32.
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    s_1 = tl.arange(0, BS)
-    smask = s_1 < n_sites
+    r = tl.arange(0, BM * BS)  # rows (token, site)
+    q = tl.arange(0, BM * BN)  # columns (token, source)
+    s_r = r % BS
+    m_r = r // BS
+    j_q = q % BN
+    m_q = q // BN
     c_1 = tl.arange(0, DH)
-    jn = tl.arange(0, BN)
     col = h * DH + c_1[None, :]  # [1, DH]
-    w = tl.load(w_ptr + s_1[:, None] * D + col, mask=smask[:, None], other=0.0)  # [BS, DH] float32
+    smask = s_r < n_sites
+    jmask = j_q < n_src
+    w_off = s_r[:, None] * D + col
+    w = tl.load(w_ptr + w_off, mask=smask[:, None], other=0.0)  # [BM*BS, DH]: float32, or bf16 hi with SPLIT
     if SPLIT:
-        w_hi = w.to(tl.bfloat16)
-        w_lo = (w - w_hi.to(tl.float32)).to(tl.bfloat16)
-        if DOT_F32:
-            w_hi = w_hi.to(tl.float32)
+        w_lo = tl.load(wlo_ptr + w_off, mask=smask[:, None], other=0.0)
+    if DOT_F32:
+        w = w.to(tl.float32)
+        if SPLIT:
             w_lo = w_lo.to(tl.float32)
-    g_off = tl.multiple_of(tl.load(g_offs + s_1, mask=smask, other=0), G_ALIGN)[:, None]  # [BS, 1]
-    dw_acc = tl.full([BS, DH], 0.0, tl.float32)
-    for m in range(pid, M, progs):
-        row = tl.cast(m, tl.int64) * D
-        dr = tl.load(g_base + g_off + row + col, mask=smask[:, None], other=0.0)  # [BS, DH]
+    g_off = tl.multiple_of(tl.load(g_offs + s_r, mask=smask, other=0), G_ALIGN)[:, None]  # [BM*BS, 1]
+    off = tl.multiple_of(tl.load(src_offs + j_q, mask=jmask, other=0), ALIGN)[:, None]  # [BM*BN, 1]
+    same = m_r[:, None] == m_q[None, :]  # [BM*BS, BM*BN]: the blocks of one token
+    dw_acc = tl.full([BM * BS, DH], 0.0, tl.float32)
+    for tile in range(pid, num_tiles, progs):
+        rows_r = tl.cast(tile, tl.int64) * BM + m_r  # token of each row
+        rows_q = tl.cast(tile, tl.int64) * BM + m_q
+        rmask = smask & (rows_r < M)
+        qmask = jmask & (rows_q < M)
+        dr = tl.load(g_base + g_off + rows_r[:, None] * D + col, mask=rmask[:, None], other=0.0)  # [BM*BS, DH]
+        v = tl.load(src_base + off + rows_q[:, None] * D + col, mask=qmask[:, None], other=0.0)  # [BM*BN, DH]
+        sh_r = (s_r.to(tl.int64) * M + rows_r) * H + h  # (site, token, head) of each row
+        lse = tl.load(lse_ptr + sh_r, mask=rmask, other=0.0)
+        rstd = tl.load(rstd_ptr + j_q.to(tl.int64) * M + rows_q, mask=qmask, other=1.0)[None, :]  # [1, BM*BN]
         if DOT_F32:
             dr = dr.to(tl.float32)
-        lse = tl.load(lse_ptr + (s_1.to(tl.int64) * M + m) * H + h, mask=smask, other=0.0)  # [BS]
-        dsum = tl.full([BS], 0.0, tl.float32)
-        y = tl.full([BS, DH], 0.0, tl.float32)
-        for j0 in range(0, n_src, BN):
-            j_1 = j0 + jn
-            jmask = j_1 < n_src
-            off = tl.multiple_of(tl.load(src_offs + j_1, mask=jmask, other=0), ALIGN)[:, None]  # [BN, 1]
-            v = tl.load(src_base + off + row + col, mask=jmask[:, None], other=0.0)  # [BN, DH]
-            rstd = tl.load(rstd_ptr + j_1.to(tl.int64) * M + m, mask=jmask, other=1.0)[None, :]  # [1, BN]
-            if DOT_F32:
-                v = v.to(tl.float32)
-            vt = tl.trans(v)
+            v = v.to(tl.float32)
+        vt = tl.trans(v)
+        if DOT_F32:
+            sc = tl.dot(w, vt, input_precision="ieee")
             if SPLIT:
-                if DOT_F32:
-                    sc = tl.dot(w_hi, vt, input_precision="ieee")
-                    sc = tl.dot(w_lo, vt, sc, input_precision="ieee")
-                    a = tl.dot(dr, vt, input_precision="ieee")
-                else:
-                    sc = tl.dot(w_hi, vt)
-                    sc = tl.dot(w_lo, vt, sc)
-                    a = tl.dot(dr, vt)
-            else:
-                sc = tl.dot(w, vt, input_precision="ieee")
-                a = tl.dot(dr, vt, input_precision="ieee")
-            sc = sc * rstd  # [BS, BN]
-            live = smask[:, None] & jmask[None, :]
-            alpha = tl.where(live, tl.exp(sc - lse[:, None]), 0.0)
-            sa_off = ((s_1[:, None].to(tl.int64) * n_src + j_1[None, :]) * M + m) * H * 2 + h * 2
-            tl.store(sa_ptr + sa_off, sc, mask=live)
-            tl.store(sa_ptr + sa_off + 1, a, mask=live)
-            dsum += tl.reduce(alpha * a, 1, _ADD)
-            c_x = alpha * a * rstd
-            c_y = alpha * rstd
-            if SPLIT:
-                x_hi = c_x.to(tl.bfloat16)
-                x_lo = (c_x - x_hi.to(tl.float32)).to(tl.bfloat16)
-                y_hi = c_y.to(tl.bfloat16)
-                y_lo = (c_y - y_hi.to(tl.float32)).to(tl.bfloat16)
-                if DOT_F32:
-                    dw_acc = tl.dot(x_hi.to(tl.float32), v, dw_acc, input_precision="ieee")
-                    dw_acc = tl.dot(x_lo.to(tl.float32), v, dw_acc, input_precision="ieee")
-                    y = tl.dot(y_hi.to(tl.float32), v, y, input_precision="ieee")
-                    y = tl.dot(y_lo.to(tl.float32), v, y, input_precision="ieee")
-                else:
-                    dw_acc = tl.dot(x_hi, v, dw_acc)
-                    dw_acc = tl.dot(x_lo, v, dw_acc)
-                    y = tl.dot(y_hi, v, y)
-                    y = tl.dot(y_lo, v, y)
-            else:
-                dw_acc = tl.dot(c_x, v, dw_acc, input_precision="ieee")
-                y = tl.dot(c_y, v, y, input_precision="ieee")
+                sc = tl.dot(w_lo, vt, sc, input_precision="ieee")
+            a = tl.dot(dr, vt, input_precision="ieee")
+        else:
+            sc = tl.dot(w, vt)
+            sc = tl.dot(w_lo, vt, sc)
+            a = tl.dot(dr, vt)
+        sc = sc * rstd
+        live = same & rmask[:, None] & qmask[None, :]
+        alpha = tl.where(live, tl.exp(sc - lse[:, None]), 0.0)
+        sa_off = ((s_r[:, None].to(tl.int64) * n_src + j_q[None, :]) * M + rows_r[:, None]) * (H * 2) + h * 2
+        tl.store(sa_ptr + sa_off, sc, mask=live)
+        tl.store(sa_ptr + sa_off + 1, a, mask=live)
+        dsum = tl.reduce(alpha * a, 1, _ADD)  # [BM*BS]
         if HAS_DLSE:  # d lse_h enters every score like a constant shift of its D
-            dsum -= tl.load(dlse_ptr + (s_1.to(tl.int64) * M + m) * H + h, mask=smask, other=0.0)
-        tl.store(dsum_ptr + (s_1.to(tl.int64) * M + m) * H + h, dsum, mask=smask)
-        dw_acc -= dsum[:, None] * y
-    # partial row of (site, this program's share): [progs, n_sites, d], summed by the host
-    tl.store(dw_ptr + (tl.cast(pid, tl.int64) * n_sites + s_1[:, None]) * D + col, dw_acc, mask=smask[:, None])
+            dsum -= tl.load(dlse_ptr + sh_r, mask=rmask, other=0.0)
+        tl.store(dsum_ptr + sh_r, dsum, mask=rmask)
+        coef = alpha * (a - dsum[:, None]) * rstd  # ds * rstd, 0 off the token blocks
+        if SPLIT:
+            c_hi = coef.to(tl.bfloat16)
+            c_lo = (coef - c_hi.to(tl.float32)).to(tl.bfloat16)
+            if DOT_F32:
+                dw_acc = tl.dot(c_hi.to(tl.float32), v, dw_acc, input_precision="ieee")
+                dw_acc = tl.dot(c_lo.to(tl.float32), v, dw_acc, input_precision="ieee")
+            else:
+                dw_acc = tl.dot(c_hi, v, dw_acc)
+                dw_acc = tl.dot(c_lo, v, dw_acc)
+        else:
+            dw_acc = tl.dot(coef, v, dw_acc, input_precision="ieee")
+    # rows (token, site) summed per site; partial row of (site, this program's share):
+    # [progs, n_sites, d], summed by the host
+    dw = tl.reduce(tl.reshape(dw_acc, [BM, BS, DH]), 0, _ADD)  # [BS, DH]
+    s_1 = tl.arange(0, BS)[:, None]
+    tl.store(dw_ptr + (tl.cast(pid, tl.int64) * n_sites + s_1) * D + col, dw, mask=s_1 < n_sites)
 
 
 def _route_bwd_sources(
@@ -1388,17 +1391,28 @@ def _backward(
 
 
 
-def _stats_on_dots(n_sites: int, d: int, heads: int, dt: int, gate: Optional[Tensor], has_rstd: bool, dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
+def _stats_on_dots(n_sites: int, n_src: int, d: int, heads: int, dt: int, gate: Optional[Tensor], has_rstd: bool, dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
     """Whether pass one of the site loop runs on matrix units (``_route_bwd_stats_dot``): ``DOT_STATS``,
-    the replacement form with the key rstd saved, sites that fit one tile of ``DOT_MAX_SITES``, a
-    head width that is a power of two from 16 to ``DOT_MAX_HEAD_WIDTH`` (``tl.dot`` shapes), and
-    bf16 or float32 sources with gradients of the same dtype."""
+    the replacement form with the key rstd saved, at most ``DOT_MAX_SITES`` sites and
+    ``DOT_MAX_SOURCES`` sources (one tile), a head width that is a power of two from
+    ``DOT_MIN_HEAD_WIDTH`` to ``DOT_MAX_HEAD_WIDTH`` (``tl.dot`` shapes), bf16 or float32 sources
+    with gradients of the same dtype."""
     dh = d // heads
     return (
-        DOT_STATS and gate is None and has_rstd and dt == 0 and n_sites <= DOT_MAX_SITES
-        and 16 <= dh <= DOT_MAX_HEAD_WIDTH and dh & (dh - 1) == 0
+        DOT_STATS and gate is None and has_rstd and dt == 0 and n_sites <= DOT_MAX_SITES and n_src <= DOT_MAX_SOURCES
+        and DOT_MIN_HEAD_WIDTH <= dh <= DOT_MAX_HEAD_WIDTH and dh & (dh - 1) == 0
         and dtype in (torch.bfloat16, torch.float32) and grad_dtype == dtype
     )
+
+
+def _dot_tile(n_sites: int, n_src: int) -> tuple[int, int, int]:
+    """(BS, BN, BM) of ``_route_bwd_stats_dot``: sites and sources padded to powers of two, and
+    tokens per tile so that about ``DOT_ROWS`` rows of (token, source) or (token, site) are held,
+    at least 16 of each (the smallest ``tl.dot`` operand)."""
+    bs, bn = triton.next_power_of_2(n_sites), triton.next_power_of_2(n_src)
+    bm = max(1, DOT_ROWS // max(bs, bn))
+    bm = max(bm, 16 // bs, 16 // bn)
+    return bs, bn, bm
 
 
 def _backward_site_loop(
@@ -1462,26 +1476,31 @@ def _backward_site_loop(
     else:
         resident = _resident_programs("bwd_stats", device, stats_args(w, w, max(1, 32 // warps)), flags)
         per_group = min(num_tiles, triton.cdiv(_sm_count(device.index or 0) * resident, n_groups))
-    if _stats_on_dots(n_sites, d, heads, dt, gate, has_rstd, like.dtype, grads[0].dtype):
-        # pass one on matrix units: program (p, h) takes head h of every progs-th token
+    if _stats_on_dots(n_sites, n_src, d, heads, dt, gate, has_rstd, like.dtype, grads[0].dtype):
+        # pass one on matrix units: program (p, h) takes head h of every progs-th tile of tokens
+        bs_dot, bn_dot, bm_dot = _dot_tile(n_sites, n_src)
+        split = like.dtype == torch.bfloat16
+        w_hi = w.to(torch.bfloat16) if split else w
+        w_lo = (w - w_hi.float()).to(torch.bfloat16) if split else w
+        tiles_dot = triton.cdiv(M, bm_dot)
         dot_flags = dict(
-            D=d, H=heads, DH=d // heads, BS=max(16, triton.next_power_of_2(n_sites)), BN=DOT_SOURCES,
+            D=d, H=heads, DH=d // heads, BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), HAS_DLSE=grad_lse is not None,
-            SPLIT=like.dtype == torch.bfloat16, DOT_F32=interpret or like.dtype == torch.float32,
+            SPLIT=split, DOT_F32=interpret or like.dtype == torch.float32,
             num_warps=WARPS.get("bwd_stats_dot", DOT_WARPS),
         )
 
         def dot_args(dw: Tensor, progs: int) -> tuple:
             return (
-                base, src_offs, n_src, w, n_sites, grads[0], g_offs, lse, grad_lse.contiguous() if grad_lse is not None else w,
-                dsum, dw, score_a, rstd, M, progs,
+                base, src_offs, n_src, w_hi, w_lo, n_sites, grads[0], g_offs, lse, grad_lse.contiguous() if grad_lse is not None else w,
+                dsum, dw, score_a, rstd, M, tiles_dot, progs,
             )
 
         if interpret:
-            progs = min(M, 2)
-        else:  # one wave: every program strides over the same number of tokens
+            progs = min(tiles_dot, 2)
+        else:  # one wave: every program strides over the same number of tiles
             resident = min(DOT_PROGRAMS_PER_SM, _resident_programs("bwd_stats_dot", device, dot_args(w, 1), dot_flags))
-            progs = min(M, max(1, _sm_count(device.index or 0) * resident // heads))
+            progs = min(tiles_dot, max(1, _sm_count(device.index or 0) * resident // heads))
         dw = _new((progs * n_sites, d), torch.float32, device)
         dgate = _new((0,), torch.float32, device)
         per_group = progs

@@ -326,11 +326,11 @@ DOT_CPU = [
 
 @pytest.mark.parametrize("n,sites,heads,d,tokens,dtype", DOT_CPU, ids=[f"N{c[0]}-S{c[1]}-H{c[2]}-d{c[3]}-T{c[4]}-{str(c[5]).split('.')[-1]}" for c in DOT_CPU])
 def test_pass_one_on_matrix_units_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype):
-    """Pass one of the site loop as products of [sites, d/H] and [d/H, sources] tiles
-    (``_route_bwd_stats_dot``): one and several tiles of sources (N = 1 .. 33 against tiles of 16),
-    1 to 16 sites, head widths 16 to 64, float32 and bf16 (whose float32 factors enter as bf16
-    pairs), token counts no tile divides: the outputs, lse and every gradient against float64
-    within the dtype's tolerance, as close as the vector kernel's, and the matrix kernel ran."""
+    """Pass one of the site loop as products of (token, site) and (token, source) rows
+    (``_route_bwd_stats_dot``): N = 1 .. 33 sources, 2 to 16 sites, head widths 16 to 64, float32
+    and bf16 (whose float32 factors enter as bf16 pairs), token counts no tile divides: the outputs,
+    lse and every gradient against float64 within the dtype's tolerance, as close as the vector
+    kernel's, and the matrix kernel ran."""
     errs, ran = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype)
     assert ran, "the matrix kernel did not run"
     assert max(errs) < TOL[dtype], errs
@@ -343,17 +343,20 @@ def test_pass_one_on_matrix_units_matches_float64_reference(monkeypatch, n, site
 
 
 def test_pass_one_on_matrix_units_only_where_it_applies():
-    """The matrix kernel takes the replacement form with the key rstd saved, at most 16 sites, a
-    head width that is a power of two in 16 .. 128, bf16 or float32; anything else keeps the
-    vector kernel."""
-    ok = dict(n_sites=8, d=1024, heads=8, dt=0, gate=None, has_rstd=True, dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
+    """The matrix kernel takes the replacement form with the key rstd saved, at most 16 sites and
+    64 sources, a head width that is a power of two in 16 .. 128, bf16 or float32; anything else
+    keeps the vector kernel. Its tiles hold at least 16 rows of each operand."""
+    ok = dict(n_sites=8, n_src=41, d=1024, heads=8, dt=0, gate=None, has_rstd=True, dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
     assert tr._stats_on_dots(**ok)
     for change in (
-        dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(heads=1), dict(d=96, heads=8),
+        dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(n_src=65), dict(heads=1), dict(d=96, heads=8),
         dict(d=1280, dt=32), dict(d=64, heads=8), dict(dtype=torch.float16, grad_dtype=torch.float16),
         dict(grad_dtype=torch.float32),
     ):
         assert not tr._stats_on_dots(**{**ok, **change}), change
+    for sites, n in itertools.product((1, 3, 8, 16), (1, 2, 9, 41, 64)):
+        bs, bn, bm = tr._dot_tile(sites, n)
+        assert bs >= sites and bn >= n and bm * bs >= 16 and bm * bn >= 16, (sites, n, bs, bn, bm)
 
 
 def test_saved_rstd_only_when_a_backward_will_run():
