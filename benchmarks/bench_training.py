@@ -71,8 +71,8 @@ KNOBS = {
     "grid32": {(TR, "OCCUPANCY_GRIDS"): frozenset()},  # persistent backward grids of 32 warps per SM, not sized by registers
     "occ-stats": {(TR, "OCCUPANCY_GRIDS"): frozenset({"bwd", "bwd_stats", "bwd_stats_dot"})},  # site loop's pass one sized too
     "vector-stats": {(TR, "DOT_STATS"): False},  # pass one of the site loop on the vector kernel, not matrix units
-    "dot-w8": {(TR, "DOT_WARPS"): 8},  # pass one on matrix units: 8 warps per program (default 4)
-    "dot-rows128": {(TR, "DOT_ROWS"): 128},  # tiles of about 128 (token, source) rows (default 64)
+    "dot-w4": {(TR, "DOT_WARPS"): 4},  # pass one on matrix units: 4 warps per program (default 2)
+    "dot-tile8192": {(TR, "DOT_TILE_ELEMENTS"): 8192},  # tiles of twice the (token, source) rows
     "pad": {(TR, "SPLIT_WIDTH"): False},  # head widths padded to a power of two, not split in two tiles
     "bwd8w": {(TR, "WARPS", "bwd"): 8},  # the replacement form's two-pass backward on 8 warps whatever its tile
     "bwd-add-8w": {(TR, "WARPS", "bwd_add"): 8},  # the additive form's merges on the former tiles (2048 elements, 8 warps)

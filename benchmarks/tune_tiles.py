@@ -116,7 +116,7 @@ def main(argv=None):
     d, layers, M = SCALES[args.scale]
     S = 2 * layers // 8
     defaults = (dict(tr.TILE_ELEMENTS), dict(tr.WARPS))
-    defaults_dot = (tr.DOT_STATS, tr.DOT_WARPS, tr.DOT_ROWS)
+    defaults_dot = (tr.DOT_STATS, tr.DOT_WARPS, tr.DOT_TILE_ELEMENTS)
     path = os.path.join(args.out, "tune_tiles.csv")
     with open(path, "a", newline="") as fh:
         w = csv.DictWriter(fh, FIELDS)
@@ -173,7 +173,7 @@ def main(argv=None):
         # pass one of the site loop on matrix units against the vector kernel: the whole backward of
         # phase one (pass two unchanged), block routing's pass and full routing's groups of 8 sites
         dot_shapes = [(f"dots-N8-S{S}-H8", 8, S), ("dots-N9-S8-H8", 9, 8), (f"dots-N{2 * layers - 7}-S8-H8", 2 * layers - 7, 8)]
-        dot_configs = [None] + list(itertools.product((2, 4, 8), (32, 64, 128)))
+        dot_configs = [None] + list(itertools.product((1, 2, 4), (2048, 4096, 8192)))
         for name, n, sites in dot_shapes if "dots" in families else ():
             data = make(M, d, n, sites, 8, seed=n)
             tr.DOT_STATS = False
@@ -182,9 +182,9 @@ def main(argv=None):
             for config in dot_configs:
                 tr.DOT_STATS = config is not None
                 if config is not None:
-                    tr.DOT_WARPS, tr.DOT_ROWS = config
+                    tr.DOT_WARPS, tr.DOT_TILE_ELEMENTS = config
                 row = dict(shape=name, kind="bwd_stats" if config is None else "bwd_stats_dot",
-                           elements="" if config is None else f"rows{config[1]}", warps="" if config is None else config[0])
+                           elements="" if config is None else f"tile{config[1]}", warps="" if config is None else config[0])
                 try:
                     _, b2 = runner(*data, 8)
                     diff = max(rel(g, r) for g, r in zip(b2(), ref_grads))
@@ -196,7 +196,7 @@ def main(argv=None):
                 except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a result
                     row.update(status=f"error {e!r}"[:160])
                 emit(row)
-            tr.DOT_STATS, tr.DOT_WARPS, tr.DOT_ROWS = defaults_dot
+            tr.DOT_STATS, tr.DOT_WARPS, tr.DOT_TILE_ELEMENTS = defaults_dot
             del data, fwd, bwd, ref_grads
             torch.cuda.empty_cache()
 

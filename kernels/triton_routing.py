@@ -166,8 +166,8 @@ PREFETCH = {"fwd": 1, "bwd": 1, "bwd_stats": 1}
 # (``_stats_on_dots``): rows per tile (``_dot_tile``), warps and programs per SM of its grid, and
 # the sizes it takes. A benchmark knob.
 DOT_STATS = True
-DOT_ROWS = 64
-DOT_WARPS = 4
+DOT_TILE_ELEMENTS = 4096
+DOT_WARPS = 2
 DOT_PROGRAMS_PER_SM = 16
 DOT_MAX_SITES = 16
 DOT_MAX_SOURCES = 64
@@ -1395,24 +1395,24 @@ def _stats_on_dots(n_sites: int, n_src: int, d: int, heads: int, dt: int, gate: 
     """Whether pass one of the site loop runs on matrix units (``_route_bwd_stats_dot``): ``DOT_STATS``,
     the replacement form with the key rstd saved, at most ``DOT_MAX_SITES`` sites and
     ``DOT_MAX_SOURCES`` sources (one tile), a head width that is a power of two from
-    ``DOT_MIN_HEAD_WIDTH`` to ``DOT_MAX_HEAD_WIDTH`` (``tl.dot`` shapes), bf16 or float32 sources
-    with gradients of the same dtype."""
+    ``DOT_MIN_HEAD_WIDTH`` to ``DOT_MAX_HEAD_WIDTH`` (``tl.dot`` shapes), bf16 sources and
+    gradients (float32 would multiply on the vector units anyway)."""
     dh = d // heads
     return (
         DOT_STATS and gate is None and has_rstd and dt == 0 and n_sites <= DOT_MAX_SITES and n_src <= DOT_MAX_SOURCES
         and DOT_MIN_HEAD_WIDTH <= dh <= DOT_MAX_HEAD_WIDTH and dh & (dh - 1) == 0
-        and dtype in (torch.bfloat16, torch.float32) and grad_dtype == dtype
+        and dtype == torch.bfloat16 and grad_dtype == dtype
     )
 
 
-def _dot_tile(n_sites: int, n_src: int) -> tuple[int, int, int]:
-    """(BS, BN, BM) of ``_route_bwd_stats_dot``: sites and sources padded to powers of two, and
-    tokens per tile so that about ``DOT_ROWS`` rows of (token, source) or (token, site) are held,
-    at least 16 of each (the smallest ``tl.dot`` operand)."""
+def _dot_tile(n_sites: int, n_src: int, head_width: int) -> tuple[int, int, int]:
+    """(BS, BN, BM) of ``_route_bwd_stats_dot``: sites and sources padded to powers of two, tokens
+    per tile so that a tile holds about ``DOT_TILE_ELEMENTS`` elements of (token, source) or
+    (token, site) rows, and sites or sources padded further where a token's rows alone are fewer
+    than 16 (the smallest ``tl.dot`` operand)."""
     bs, bn = triton.next_power_of_2(n_sites), triton.next_power_of_2(n_src)
-    bm = max(1, DOT_ROWS // max(bs, bn))
-    bm = max(bm, 16 // bs, 16 // bn)
-    return bs, bn, bm
+    bm = max(1, DOT_TILE_ELEMENTS // head_width // max(bs, bn))
+    return max(bs, 16 // bm), max(bn, 16 // bm), bm
 
 
 def _backward_site_loop(
@@ -1478,15 +1478,14 @@ def _backward_site_loop(
         per_group = min(num_tiles, triton.cdiv(_sm_count(device.index or 0) * resident, n_groups))
     if _stats_on_dots(n_sites, n_src, d, heads, dt, gate, has_rstd, like.dtype, grads[0].dtype):
         # pass one on matrix units: program (p, h) takes head h of every progs-th tile of tokens
-        bs_dot, bn_dot, bm_dot = _dot_tile(n_sites, n_src)
-        split = like.dtype == torch.bfloat16
-        w_hi = w.to(torch.bfloat16) if split else w
-        w_lo = (w - w_hi.float()).to(torch.bfloat16) if split else w
+        bs_dot, bn_dot, bm_dot = _dot_tile(n_sites, n_src, d // heads)
+        w_hi = w.to(torch.bfloat16)
+        w_lo = (w - w_hi.float()).to(torch.bfloat16)
         tiles_dot = triton.cdiv(M, bm_dot)
         dot_flags = dict(
             D=d, H=heads, DH=d // heads, BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), HAS_DLSE=grad_lse is not None,
-            SPLIT=split, DOT_F32=interpret or like.dtype == torch.float32,
+            SPLIT=True, DOT_F32=interpret,
             num_warps=WARPS.get("bwd_stats_dot", DOT_WARPS),
         )
 

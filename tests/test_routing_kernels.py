@@ -13,6 +13,7 @@ import itertools
 
 import pytest
 import torch
+import triton
 
 from lit_mhar import LM, ModelConfig
 from lit_mhar.kernels import reference, use_backend
@@ -319,18 +320,21 @@ def pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, 
 
 
 DOT_CPU = [
-    (1, 3, 4, 64, 37, torch.float32), (9, 8, 8, 256, 19, torch.bfloat16), (17, 8, 4, 128, 23, torch.float32),
-    (33, 16, 2, 64, 5, torch.bfloat16), (2, 2, 1, 32, 30, torch.bfloat16), (9, 1, 8, 512, 7, torch.float32),
+    (1, 3, 4, 64, 37, torch.bfloat16), (9, 8, 8, 256, 19, torch.bfloat16), (17, 8, 4, 128, 23, torch.bfloat16),
+    (33, 16, 2, 64, 5, torch.bfloat16), (2, 2, 1, 32, 30, torch.bfloat16), (9, 1, 8, 512, 7, torch.bfloat16),
+    (41, 8, 1, 32, 9, torch.bfloat16),
 ]
 
 
 @pytest.mark.parametrize("n,sites,heads,d,tokens,dtype", DOT_CPU, ids=[f"N{c[0]}-S{c[1]}-H{c[2]}-d{c[3]}-T{c[4]}-{str(c[5]).split('.')[-1]}" for c in DOT_CPU])
-def test_pass_one_on_matrix_units_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype):
+@pytest.mark.parametrize("tile_elements", [4096, 256], ids=["tile4096", "tile256"])
+def test_pass_one_on_matrix_units_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype, tile_elements):
     """Pass one of the site loop as products of (token, site) and (token, source) rows
-    (``_route_bwd_stats_dot``): N = 1 .. 33 sources, 2 to 16 sites, head widths 16 to 64, float32
-    and bf16 (whose float32 factors enter as bf16 pairs), token counts no tile divides: the outputs,
-    lse and every gradient against float64 within the dtype's tolerance, as close as the vector
-    kernel's, and the matrix kernel ran."""
+    (``_route_bwd_stats_dot``): N = 1 .. 41 sources, 1 to 16 sites, head widths 16 to 64, bf16
+    (float32 factors entering as bf16 pairs), token counts no tile divides, tiles of several tokens
+    and of one: the outputs, lse and every gradient against float64 within the bf16 tolerance, the
+    query and gain gradients as close as the vector kernel's, and the matrix kernel ran."""
+    monkeypatch.setattr(tr, "DOT_TILE_ELEMENTS", tile_elements)  # several tokens per tile, or one (sites padded)
     errs, ran = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype)
     assert ran, "the matrix kernel did not run"
     assert max(errs) < TOL[dtype], errs
@@ -344,19 +348,22 @@ def test_pass_one_on_matrix_units_matches_float64_reference(monkeypatch, n, site
 
 def test_pass_one_on_matrix_units_only_where_it_applies():
     """The matrix kernel takes the replacement form with the key rstd saved, at most 16 sites and
-    64 sources, a head width that is a power of two in 16 .. 128, bf16 or float32; anything else
-    keeps the vector kernel. Its tiles hold at least 16 rows of each operand."""
+    64 sources, a head width that is a power of two in 16 .. 128, bf16; anything else keeps the
+    vector kernel. Its tiles hold at least 16 rows of each operand and about DOT_TILE_ELEMENTS
+    elements."""
     ok = dict(n_sites=8, n_src=41, d=1024, heads=8, dt=0, gate=None, has_rstd=True, dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
     assert tr._stats_on_dots(**ok)
     for change in (
         dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(n_src=65), dict(heads=1), dict(d=96, heads=8),
         dict(d=1280, dt=32), dict(d=64, heads=8), dict(dtype=torch.float16, grad_dtype=torch.float16),
-        dict(grad_dtype=torch.float32),
+        dict(dtype=torch.float32, grad_dtype=torch.float32), dict(grad_dtype=torch.float32),
     ):
         assert not tr._stats_on_dots(**{**ok, **change}), change
-    for sites, n in itertools.product((1, 3, 8, 16), (1, 2, 9, 41, 64)):
-        bs, bn, bm = tr._dot_tile(sites, n)
+    for sites, n, width in itertools.product((1, 3, 8, 16), (1, 2, 9, 41, 64), (16, 64, 128)):
+        bs, bn, bm = tr._dot_tile(sites, n, width)
         assert bs >= sites and bn >= n and bm * bs >= 16 and bm * bn >= 16, (sites, n, bs, bn, bm)
+        one_token = max(16, triton.next_power_of_2(sites), triton.next_power_of_2(n))
+        assert bm * max(bs, bn) <= max(tr.DOT_TILE_ELEMENTS // width, one_token), (sites, n, width, bm, bs, bn)
 
 
 def test_saved_rstd_only_when_a_backward_will_run():
