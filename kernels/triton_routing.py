@@ -163,15 +163,22 @@ SPLIT_SOURCES_RSTD_HEADS = 2
 # source i + PREFETCH while it works on source i. A benchmark knob.
 PREFETCH = {"fwd": 1, "bwd": 1, "bwd_stats": 1}
 # Pass one of the site loop on matrix units (``_route_bwd_stats_dot``) where it applies
-# (``_stats_on_dots``): rows per tile (``_dot_tile``), warps and programs per SM of its grid, and
-# the sizes it takes. A benchmark knob.
+# (``_stats_on_dots``): elements per tile (``_dot_tile``), warps (``DOT_WARPS_ONE_TOKEN`` where a
+# tile holds one token's sources), programs per SM of its grid, and the sizes it takes. Measured on
+# an H200 (BENCHMARKS.md, tenth set; ``tune_tiles.py --shapes dots``, forward + backward of phase
+# one at 350m, bf16, H = 8): the backward of 6 sites over 8 blocks took 1.64 ms against 2.59 on the
+# vector kernel, 8 sites over 9 sources 2.20 against 3.74, 8 sites over 41 sources 12.48 (4 warps)
+# or 14.11 (2) against 15.86; in training at 350m block MHAR 0.971 against 0.957 x prenorm, full
+# MHAR 0.765 against 0.732. At head width 64 (100m) it was slower in training (block MHAR 0.898
+# against 0.914, full MHAR 0.771 either way), hence ``DOT_MIN_HEAD_WIDTH``. A benchmark knob.
 DOT_STATS = True
 DOT_TILE_ELEMENTS = 4096
 DOT_WARPS = 2
+DOT_WARPS_ONE_TOKEN = 4
 DOT_PROGRAMS_PER_SM = 16
 DOT_MAX_SITES = 16
 DOT_MAX_SOURCES = 64
-DOT_MIN_HEAD_WIDTH = 16
+DOT_MIN_HEAD_WIDTH = 128
 DOT_MAX_HEAD_WIDTH = 128
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
@@ -1486,7 +1493,7 @@ def _backward_site_loop(
             D=d, H=heads, DH=d // heads, BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), HAS_DLSE=grad_lse is not None,
             SPLIT=True, DOT_F32=interpret,
-            num_warps=WARPS.get("bwd_stats_dot", DOT_WARPS),
+            num_warps=WARPS.get("bwd_stats_dot", DOT_WARPS if bm_dot > 1 else DOT_WARPS_ONE_TOKEN),
         )
 
         def dot_args(dw: Tensor, progs: int) -> tuple:

@@ -296,6 +296,7 @@ def pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, 
     the outputs, lse and every gradient (sources, queries, gains; with an lse gradient) against
     float64, and whether the matrix kernel ran."""
     monkeypatch.setattr(tr, "DOT_STATS", on_dots)
+    monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)  # small widths here, 128 and up in training
     ran = []
     decide = tr._stats_on_dots
     monkeypatch.setattr(tr, "_stats_on_dots", lambda *a: ran.append(decide(*a)) or ran[-1])
@@ -348,13 +349,13 @@ def test_pass_one_on_matrix_units_matches_float64_reference(monkeypatch, n, site
 
 def test_pass_one_on_matrix_units_only_where_it_applies():
     """The matrix kernel takes the replacement form with the key rstd saved, at most 16 sites and
-    64 sources, a head width that is a power of two in 16 .. 128, bf16; anything else keeps the
-    vector kernel. Its tiles hold at least 16 rows of each operand and about DOT_TILE_ELEMENTS
+    64 sources, a head width of 128 (DOT_MIN_HEAD_WIDTH; 64 was slower in training), bf16; anything
+    else keeps the vector kernel. Its tiles hold at least 16 rows of each operand and about DOT_TILE_ELEMENTS
     elements."""
     ok = dict(n_sites=8, n_src=41, d=1024, heads=8, dt=0, gate=None, has_rstd=True, dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
     assert tr._stats_on_dots(**ok)
     for change in (
-        dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(n_src=65), dict(heads=1), dict(d=96, heads=8),
+        dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(n_src=65), dict(heads=1), dict(d=96, heads=8), dict(d=512, heads=8),
         dict(d=1280, dt=32), dict(d=64, heads=8), dict(dtype=torch.float16, grad_dtype=torch.float16),
         dict(dtype=torch.float32, grad_dtype=torch.float32), dict(grad_dtype=torch.float32),
     ):
