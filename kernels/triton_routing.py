@@ -42,8 +42,11 @@ The site-loop kernels (``_route_bwd_stats`` then ``_route_bwd_sources``: several
 site over many sources) hold one site's gradient at a time (``STATS_SITES``): the first runs one
 program per (site, range of tiles) and also stores every ``s_i`` and ``<dr, v_i>_h``
 (``[S, N, M, H, 2]`` float32), the second one program per (tile, source) with the sites in its
-loop. Eager calls run the autograd through :class:`_RouteFunction`; ``torch.compile`` sees the
-custom ops.
+loop. Where the sources are bf16 with a head width of 128 and the key rstd saved, the first of them
+is ``_route_bwd_stats_dot``: the same outputs, formed as ``tl.dot`` products on the matrix units
+(rows (token, site) against rows (token, source) of a tile of tokens, per head; float32 factors
+as bf16 pairs). Eager calls run the autograd through :class:`_RouteFunction`; ``torch.compile``
+sees the custom ops.
 
 Each token's width is held in registers as ``[heads, lanes]`` tiles; a head width that is a sum
 of two powers of two (160 = 128 + 32 at 1b) is held as two tiles per head (``SPLIT_WIDTH``: every
