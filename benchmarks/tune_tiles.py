@@ -11,7 +11,8 @@ host needs to launch it) is checked against the package's default configuration
 ``triton.testing.do_bench`` (median), the other kinds at their defaults. A configuration whose
 check fails gets no time. It also times the two backward kernels against each other at one site
 and N sources, which sets ``SITE_LOOP_MIN_SOURCES``, and (``--shapes dots``) pass one of the site
-loop on matrix units against the vector kernel, by warps and rows per tile.
+loop on matrix units against the vector kernel, by warps and elements per tile, and
+(``--shapes passes``) pass one, then both passes, on matrix units against the vector kernels.
 
     python benchmarks/tune_tiles.py --scale 350m --out OUT    # writes OUT/tune_tiles.csv
 """
@@ -174,6 +175,30 @@ def main(argv=None):
         # phase one (pass two unchanged), block routing's pass and full routing's groups of 8 sites
         dot_shapes = [(f"dots-N8-S{S}-H8", 8, S), ("dots-N9-S8-H8", 9, 8), (f"dots-N{2 * layers - 7}-S8-H8", 2 * layers - 7, 8)]
         dot_configs = [None] + list(itertools.product((1, 2, 4), (2048, 4096, 8192)))
+        # pass one, then both passes of the site loop on matrix units (defaults), against the vector kernels
+        for name, n, sites in dot_shapes if "passes" in families else ():
+            data = make(M, d, n, sites, 8, seed=n)
+            tr.DOT_STATS = tr.DOT_SOURCES = False
+            fwd, bwd = runner(*data, 8)
+            ref_grads = [g.clone() for g in bwd()]
+            for kind, stats, both in (("vector", False, False), ("pass-one-dots", True, False), ("both-dots", True, True)):
+                tr.DOT_STATS, tr.DOT_SOURCES = stats, both
+                row = dict(shape=name.replace("dots", "passes"), kind=kind)
+                try:
+                    _, b2 = runner(*data, 8)
+                    diff = max(rel(g, r) for g, r in zip(b2(), ref_grads))
+                    row["rel_diff"] = f"{diff:.1e}"
+                    if diff > 1e-2:
+                        row["status"] = "FAILED check"
+                    else:
+                        row.update(ms=f"{do_bench(b2, warmup=5, rep=30, return_mode='median'):.4f}", status="ok")
+                except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a result
+                    row.update(status=f"error {e!r}"[:160])
+                emit(row)
+            tr.DOT_STATS, tr.DOT_SOURCES = True, False
+            del data, fwd, bwd, ref_grads
+            torch.cuda.empty_cache()
+
         for name, n, sites in dot_shapes if "dots" in families else ():
             data = make(M, d, n, sites, 8, seed=n)
             tr.DOT_STATS = False

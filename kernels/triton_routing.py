@@ -183,6 +183,9 @@ DOT_MAX_SITES = 16
 DOT_MAX_SOURCES = 64
 DOT_MIN_HEAD_WIDTH = 128
 DOT_MAX_HEAD_WIDTH = 128
+# Pass two of the site loop on matrix units too (``_route_bwd_sources_dot``) where pass one is: not
+# measured on a GPU yet, so off; a benchmark knob (``dot-sources``).
+DOT_SOURCES = False
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -739,10 +742,11 @@ def _route_bwd_stats_dot(
     w_ptr, wlo_ptr, n_sites,
     g_base, g_offs,
     lse_ptr, dlse_ptr,
-    dsum_ptr, dw_ptr, sa_ptr, rstd_ptr,
+    dsum_ptr, dw_ptr, sa_ptr, rstd_ptr, t_ptr,
     M, num_tiles, progs,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
     ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    STORE_SA: tl.constexpr, STORE_T: tl.constexpr,
 ):
     # Site-loop backward, pass one, on matrix units: the same outputs as ``_route_bwd_stats``
     # (replacement form, saved key rstd, all N <= BN sources in one tile, head width DH a power of
@@ -757,7 +761,10 @@ def _route_bwd_stats_dot(
     # (rows summed per site at the end), so it needs no second pass and no X - D * Y cancellation.
     # With SPLIT (bf16 sources and gradients) float32 factors (W, the coefficients) enter as bf16
     # pairs hi + lo: products exact to about 2^-16 relative, sums in float32; V and dR are exact
-    # in bf16. DOT_F32 (the interpreter, float32 inputs) multiplies in float32.
+    # in bf16. DOT_F32 (the interpreter, float32 inputs) multiplies in float32. STORE_SA writes the
+    # scores and a for the vector pass two; STORE_T instead writes this head's share of the key
+    # norm's term t = sum_s ds_s * sc_s per (source, token) ([N, M, H] float32) for the matrix pass
+    # two (``_route_bwd_sources_dot``), which recomputes the scores.
     pid = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.arange(0, BM * BS)  # rows (token, site)
@@ -808,14 +815,19 @@ def _route_bwd_stats_dot(
         sc = sc * rstd
         live = same & rmask[:, None] & qmask[None, :]
         alpha = tl.where(live, tl.exp(sc - lse[:, None]), 0.0)
-        sa_off = ((s_r[:, None].to(tl.int64) * n_src + j_q[None, :]) * M + rows_r[:, None]) * (H * 2) + h * 2
-        tl.store(sa_ptr + sa_off, sc, mask=live)
-        tl.store(sa_ptr + sa_off + 1, a, mask=live)
+        if STORE_SA:
+            sa_off = ((s_r[:, None].to(tl.int64) * n_src + j_q[None, :]) * M + rows_r[:, None]) * (H * 2) + h * 2
+            tl.store(sa_ptr + sa_off, sc, mask=live)
+            tl.store(sa_ptr + sa_off + 1, a, mask=live)
         dsum = tl.reduce(alpha * a, 1, _ADD)  # [BM*BS]
         if HAS_DLSE:  # d lse_h enters every score like a constant shift of its D
             dsum -= tl.load(dlse_ptr + sh_r, mask=rmask, other=0.0)
         tl.store(dsum_ptr + sh_r, dsum, mask=rmask)
-        coef = alpha * (a - dsum[:, None]) * rstd  # ds * rstd, 0 off the token blocks
+        ds = alpha * (a - dsum[:, None])  # 0 off the token blocks
+        if STORE_T:
+            t = tl.reduce(ds * sc, 0, _ADD)  # [BM*BN]: this head's share, summed over the sites
+            tl.store(t_ptr + (j_q.to(tl.int64) * M + rows_q) * H + h, t, mask=qmask)
+        coef = ds * rstd
         if SPLIT:
             c_hi = coef.to(tl.bfloat16)
             c_lo = (coef - c_hi.to(tl.float32)).to(tl.bfloat16)
@@ -832,6 +844,103 @@ def _route_bwd_stats_dot(
     dw = tl.reduce(tl.reshape(dw_acc, [BM, BS, DH]), 0, _ADD)  # [BS, DH]
     s_1 = tl.arange(0, BS)[:, None]
     tl.store(dw_ptr + (tl.cast(pid, tl.int64) * n_sites + s_1) * D + col, dw, mask=s_1 < n_sites)
+
+
+def _route_bwd_sources_dot(
+    src_base, src_offs, n_src,
+    w_ptr, wlo_ptr, n_sites,
+    g_base, g_offs,
+    lse_ptr, dsum_ptr, rstd_ptr, t_ptr,
+    dsrc_base, dsrc_offs, acc_base, acc_offs, n_acc,
+    M, num_tiles, progs,
+    D: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+    ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, DOT_F32: tl.constexpr, ACC: tl.constexpr,
+):
+    # Site-loop backward, pass two, on matrix units (bf16, after ``_route_bwd_stats_dot`` with
+    # STORE_T): the same source gradients as ``_route_bwd_sources``,
+    #   dv = alpha^T dR + (ds * rstd)^T W - v rstd^2 t / d,      rows (token, source) [BM*BS.., DH]
+    # on the tiles of ``_route_bwd_stats_dot`` (program (p, h): head h of every progs-th tile of
+    # BM tokens), recomputing the scores and a = <dr, v> as there (no [S, N, M, H, 2] round trip)
+    # and summing t over the heads from the partials pass one stored. The coefficients and W enter
+    # as bf16 pairs (hi * hi + hi * lo + lo * hi); dR and V are exact in bf16. With ACC, source
+    # i < n_acc adds acc_base + acc_offs[i] (a gradient sink's sum so far).
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.arange(0, BM * BS)  # rows (token, site)
+    q = tl.arange(0, BM * BN)  # rows (token, source)
+    s_r = r % BS
+    m_r = r // BS
+    j_q = q % BN
+    m_q = q // BN
+    c_1 = tl.arange(0, DH)
+    col = h * DH + c_1[None, :]  # [1, DH]
+    smask = s_r < n_sites
+    jmask = j_q < n_src
+    w_off = s_r[:, None] * D + col
+    w = tl.load(w_ptr + w_off, mask=smask[:, None], other=0.0)  # [BM*BS, DH] bf16 hi
+    w_lo = tl.load(wlo_ptr + w_off, mask=smask[:, None], other=0.0)
+    if DOT_F32:
+        w = w.to(tl.float32)
+        w_lo = w_lo.to(tl.float32)
+    g_off = tl.multiple_of(tl.load(g_offs + s_r, mask=smask, other=0), G_ALIGN)[:, None]  # [BM*BS, 1]
+    off = tl.multiple_of(tl.load(src_offs + j_q, mask=jmask, other=0), ALIGN)[:, None]  # [BM*BN, 1]
+    d_off = tl.multiple_of(tl.load(dsrc_offs + j_q, mask=jmask, other=0), ALIGN)[:, None]
+    if ACC:
+        amask = j_q < n_acc
+        a_off = tl.multiple_of(tl.load(acc_offs + j_q, mask=amask, other=0), ALIGN)[:, None]
+    same = m_r[:, None] == m_q[None, :]  # [BM*BS, BM*BN]: the blocks of one token
+    h_1 = tl.arange(0, BH)
+    for tile in range(pid, num_tiles, progs):
+        rows_r = tl.cast(tile, tl.int64) * BM + m_r
+        rows_q = tl.cast(tile, tl.int64) * BM + m_q
+        rmask = smask & (rows_r < M)
+        qmask = jmask & (rows_q < M)
+        dr = tl.load(g_base + g_off + rows_r[:, None] * D + col, mask=rmask[:, None], other=0.0)  # [BM*BS, DH]
+        v = tl.load(src_base + off + rows_q[:, None] * D + col, mask=qmask[:, None], other=0.0)  # [BM*BN, DH]
+        sh_r = (s_r.to(tl.int64) * M + rows_r) * H + h
+        lse = tl.load(lse_ptr + sh_r, mask=rmask, other=0.0)
+        dsum = tl.load(dsum_ptr + sh_r, mask=rmask, other=0.0)
+        rstd = tl.load(rstd_ptr + j_q.to(tl.int64) * M + rows_q, mask=qmask, other=1.0)  # [BM*BN]
+        t_off = ((j_q.to(tl.int64) * M + rows_q) * H)[:, None] + h_1[None, :]
+        t = tl.reduce(tl.load(t_ptr + t_off, mask=qmask[:, None] & (h_1[None, :] < H), other=0.0), 1, _ADD)  # [BM*BN]
+        if DOT_F32:
+            dr = dr.to(tl.float32)
+            v = v.to(tl.float32)
+        vt = tl.trans(v)
+        if DOT_F32:
+            sc = tl.dot(w, vt, input_precision="ieee")
+            sc = tl.dot(w_lo, vt, sc, input_precision="ieee")
+            a = tl.dot(dr, vt, input_precision="ieee")
+        else:
+            sc = tl.dot(w, vt)
+            sc = tl.dot(w_lo, vt, sc)
+            a = tl.dot(dr, vt)
+        sc = sc * rstd[None, :]
+        live = same & rmask[:, None] & qmask[None, :]
+        alpha = tl.where(live, tl.exp(sc - lse[:, None]), 0.0)
+        coef = tl.trans(alpha * (a - dsum[:, None]) * rstd[None, :])  # (ds * rstd)^T [BM*BN, BM*BS]
+        alpha_t = tl.trans(alpha)
+        p_hi = alpha_t.to(tl.bfloat16)
+        p_lo = (alpha_t - p_hi.to(tl.float32)).to(tl.bfloat16)
+        c_hi = coef.to(tl.bfloat16)
+        c_lo = (coef - c_hi.to(tl.float32)).to(tl.bfloat16)
+        if DOT_F32:
+            dv = tl.dot(p_hi.to(tl.float32), dr, input_precision="ieee")
+            dv = tl.dot(p_lo.to(tl.float32), dr, dv, input_precision="ieee")
+            dv = tl.dot(c_hi.to(tl.float32), w, dv, input_precision="ieee")
+            dv = tl.dot(c_hi.to(tl.float32), w_lo, dv, input_precision="ieee")
+            dv = tl.dot(c_lo.to(tl.float32), w, dv, input_precision="ieee")
+        else:
+            dv = tl.dot(p_hi, dr)
+            dv = tl.dot(p_lo, dr, dv)
+            dv = tl.dot(c_hi, w, dv)
+            dv = tl.dot(c_hi, w_lo, dv)
+            dv = tl.dot(c_lo, w, dv)
+        dv -= v.to(tl.float32) * (rstd * rstd * t / D)[:, None]
+        x_off = rows_q[:, None] * D + col
+        if ACC:
+            dv += tl.load(acc_base + a_off + x_off, mask=(qmask & amask)[:, None], other=0.0).to(tl.float32)
+        tl.store(dsrc_base + d_off + x_off, dv.to(dsrc_base.dtype.element_ty), mask=qmask[:, None])
 
 
 def _route_bwd_sources(
@@ -1078,7 +1187,7 @@ def _kernel(name: str, interpret: bool):
     """
     fn = {
         "fwd": _route_fwd, "bwd": _route_bwd, "bwd_stats": _route_bwd_stats, "bwd_sources": _route_bwd_sources,
-        "bwd_stats_dot": _route_bwd_stats_dot,
+        "bwd_stats_dot": _route_bwd_stats_dot, "bwd_sources_dot": _route_bwd_sources_dot,
         "decode": _decode_route_norm,
     }[name]
     if interpret:
@@ -1101,7 +1210,7 @@ _RESIDENT_FALLBACKS: dict = {}  # configurations whose registers could not be re
 # merge backward from 19.4 to 15.0 ms per step, while sizing pass one of the site loop made full
 # routing's 8-site passes 1.6x slower (52.5 against 33.1 ms per step), so it stays off for that
 # kernel. A benchmark knob.
-OCCUPANCY_GRIDS = frozenset({"bwd", "bwd_stats_dot"})
+OCCUPANCY_GRIDS = frozenset({"bwd", "bwd_stats_dot", "bwd_sources_dot"})
 
 
 def _resident_programs(name: str, device: torch.device, args: tuple, kwargs: dict) -> int:
@@ -1461,14 +1570,18 @@ def _backward_site_loop(
     w = (queries.float() * gains.float()).contiguous()
     src_offs, g_offs = _offsets(srcs, base), _offsets(grads, grads[0])
     dsum = _new(lse.shape, torch.float32, device)
-    score_a = _new((n_sites, n_src, *lse.shape[1:], 2), torch.float32, device)  # s_i and <dr, v_i>_h per site and source
+    has_rstd = rstd is not None and rstd.numel() > 0
+    if has_rstd and tuple(rstd.shape) != (n_src, M):
+        raise ValueError(f"triton depth routing: saved rstd has shape {tuple(rstd.shape)}, expected {(n_src, M)}")
+    on_dots = _stats_on_dots(n_sites, n_src, d, heads, dt, gate, has_rstd, like.dtype, grads[0].dtype)
+    both_on_dots = on_dots and DOT_SOURCES  # pass two too: no scores round trip, t's head shares instead
+    # s_i and <dr, v_i>_h per site and source, for the vector pass two
+    score_a = _new((0,) if both_on_dots else (n_sites, n_src, *lse.shape[1:], 2), torch.float32, device)
+    t_part = _new((n_src, M, heads) if both_on_dots else (0,), torch.float32, device)
     dsrc, targets, addends, n_acc = _source_grad_targets(sink, n_src, like)
     gate_c = gate.contiguous() if gate is not None else w
     geometry = dict(D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, DT=dt, ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size())
     lse = lse.contiguous()
-    has_rstd = rstd is not None and rstd.numel() > 0
-    if has_rstd and tuple(rstd.shape) != (n_src, M):
-        raise ValueError(f"triton depth routing: saved rstd has shape {tuple(rstd.shape)}, expected {(n_src, M)}")
     rstd = rstd.contiguous() if has_rstd else w
     flags = dict(**geometry, PF=PREFETCH["bwd_stats"], BS=group, BM=bm, HAS_DLSE=grad_lse is not None, ADDITIVE=gate is not None, HAS_RSTD=has_rstd, num_warps=warps)
 
@@ -1486,7 +1599,7 @@ def _backward_site_loop(
     else:
         resident = _resident_programs("bwd_stats", device, stats_args(w, w, max(1, 32 // warps)), flags)
         per_group = min(num_tiles, triton.cdiv(_sm_count(device.index or 0) * resident, n_groups))
-    if _stats_on_dots(n_sites, n_src, d, heads, dt, gate, has_rstd, like.dtype, grads[0].dtype):
+    if on_dots:
         # pass one on matrix units: program (p, h) takes head h of every progs-th tile of tokens
         bs_dot, bn_dot, bm_dot = _dot_tile(n_sites, n_src, d // heads)
         w_hi = w.to(torch.bfloat16)
@@ -1495,21 +1608,24 @@ def _backward_site_loop(
         dot_flags = dict(
             D=d, H=heads, DH=d // heads, BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), HAS_DLSE=grad_lse is not None,
-            SPLIT=True, DOT_F32=interpret,
+            SPLIT=True, DOT_F32=interpret, STORE_SA=not both_on_dots, STORE_T=both_on_dots,
             num_warps=WARPS.get("bwd_stats_dot", DOT_WARPS if bm_dot > 1 else DOT_WARPS_ONE_TOKEN),
         )
 
         def dot_args(dw: Tensor, progs: int) -> tuple:
             return (
                 base, src_offs, n_src, w_hi, w_lo, n_sites, grads[0], g_offs, lse, grad_lse.contiguous() if grad_lse is not None else w,
-                dsum, dw, score_a, rstd, M, tiles_dot, progs,
+                dsum, dw, score_a, rstd, t_part, M, tiles_dot, progs,
             )
 
-        if interpret:
-            progs = min(tiles_dot, 2)
-        else:  # one wave: every program strides over the same number of tiles
-            resident = min(DOT_PROGRAMS_PER_SM, _resident_programs("bwd_stats_dot", device, dot_args(w, 1), dot_flags))
-            progs = min(tiles_dot, max(1, _sm_count(device.index or 0) * resident // heads))
+        def dot_programs(name: str, args, flags_) -> int:
+            if interpret:
+                return min(tiles_dot, 2)
+            # one wave: every program strides over the same number of tiles
+            resident = min(DOT_PROGRAMS_PER_SM, _resident_programs(name, device, args(1), flags_))
+            return min(tiles_dot, max(1, _sm_count(device.index or 0) * resident // heads))
+
+        progs = dot_programs("bwd_stats_dot", lambda p: dot_args(w, p), dot_flags)
         dw = _new((progs * n_sites, d), torch.float32, device)
         dgate = _new((0,), torch.float32, device)
         per_group = progs
@@ -1518,13 +1634,29 @@ def _backward_site_loop(
         dw = _new((per_group * n_sites, d), torch.float32, device)
         dgate = _new((per_group, d) if gate is not None else (0,), torch.float32, device)
         _kernel("bwd_stats", interpret)[(per_group * n_groups,)](*stats_args(dw, dgate if gate is not None else w, per_group), **flags)
-    _kernel("bwd_sources", interpret)[(triton.cdiv(M, bm_src) * n_src,)](
-        base, src_offs, n_src, w, n_sites, grads[0], g_offs,
-        lse, dsum, score_a, gate_c, targets[0], _offsets(targets, targets[0]), addends[0], _offsets(addends, addends[0]), n_acc, rstd,
-        M, eps,
-        **geometry, BM=bm_src, ADDITIVE=gate is not None, HAS_RSTD=has_rstd and (dt == 0 or heads <= SPLIT_SOURCES_RSTD_HEADS),
-        ACC=n_acc > 0, num_warps=warps_src,
-    )
+    if both_on_dots:
+        src_flags = dict(
+            D=d, H=heads, BH=triton.next_power_of_2(heads), DH=d // heads, BS=bs_dot, BN=bn_dot, BM=bm_dot,
+            ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), DOT_F32=interpret, ACC=n_acc > 0,
+            num_warps=WARPS.get("bwd_sources_dot", DOT_WARPS if bm_dot > 1 else DOT_WARPS_ONE_TOKEN),
+        )
+
+        def src_args(progs: int) -> tuple:
+            return (
+                base, src_offs, n_src, w_hi, w_lo, n_sites, grads[0], g_offs, lse, dsum, rstd, t_part,
+                targets[0], _offsets(targets, targets[0]), addends[0], _offsets(addends, addends[0]), n_acc, M, tiles_dot, progs,
+            )
+
+        progs2 = dot_programs("bwd_sources_dot", src_args, src_flags)
+        _kernel("bwd_sources_dot", interpret)[(progs2, heads)](*src_args(progs2), **src_flags)
+    else:
+        _kernel("bwd_sources", interpret)[(triton.cdiv(M, bm_src) * n_src,)](
+            base, src_offs, n_src, w, n_sites, grads[0], g_offs,
+            lse, dsum, score_a, gate_c, targets[0], _offsets(targets, targets[0]), addends[0], _offsets(addends, addends[0]), n_acc, rstd,
+            M, eps,
+            **geometry, BM=bm_src, ADDITIVE=gate is not None, HAS_RSTD=has_rstd and (dt == 0 or heads <= SPLIT_SOURCES_RSTD_HEADS),
+            ACC=n_acc > 0, num_warps=warps_src,
+        )
     dw = dw.view(per_group, n_sites, d).sum(0)  # fixed-order reduction over programs: deterministic
     q, g = queries.float(), gains.float()
     empty = [torch.empty(0, dtype=torch.float32, device=device) for _ in range(2)]  # outputs may not alias

@@ -291,12 +291,13 @@ def test_saved_rstd_matches_float64_reference(monkeypatch, sites, n):
         assert max(errs) < TOL[torch.float32], (save, errs)
 
 
-def pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, on_dots=True):
+def pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, on_dots=True, pass_two=False):
     """Phase one (``route_sites``) with pass one of the site loop on matrix units or not: errors of
     the outputs, lse and every gradient (sources, queries, gains; with an lse gradient) against
     float64, and whether the matrix kernel ran."""
     monkeypatch.setattr(tr, "DOT_STATS", on_dots)
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)  # small widths here, 128 and up in training
+    monkeypatch.setattr(tr, "DOT_SOURCES", pass_two)
     ran = []
     decide = tr._stats_on_dots
     monkeypatch.setattr(tr, "_stats_on_dots", lambda *a: ran.append(decide(*a)) or ran[-1])
@@ -317,7 +318,7 @@ def pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, 
     with use_backend("triton"):
         got = run(tr, lambda x: x.detach().clone())
     ref = run(reference, lambda x: x.detach().double())
-    return [rel_err(a, b) for a, b in zip(got, ref)], any(ran)
+    return [rel_err(a, b) for a, b in zip(got, ref)], any(ran), got
 
 
 DOT_CPU = [
@@ -336,15 +337,55 @@ def test_pass_one_on_matrix_units_matches_float64_reference(monkeypatch, n, site
     and of one: the outputs, lse and every gradient against float64 within the bf16 tolerance, the
     query and gain gradients as close as the vector kernel's, and the matrix kernel ran."""
     monkeypatch.setattr(tr, "DOT_TILE_ELEMENTS", tile_elements)  # several tokens per tile, or one (sites padded)
-    errs, ran = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype)
+    errs, ran, _ = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype)
     assert ran, "the matrix kernel did not run"
     assert max(errs) < TOL[dtype], errs
-    vector, ran = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, on_dots=False)
+    vector, ran, _ = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, on_dots=False)
     assert not ran
     # query and gain gradients (float32 outputs: the last two) no further from float64 than the
     # vector kernel's, up to the bf16 pairs' 2^-16 per product
     for e, v in zip(errs[-2:], vector[-2:]):
         assert e <= 1.5 * v + 4e-5, (errs, vector)
+
+
+@pytest.mark.parametrize("n,sites,heads,d,tokens,dtype", DOT_CPU[:5], ids=[f"N{c[0]}-S{c[1]}-H{c[2]}-d{c[3]}-T{c[4]}" for c in DOT_CPU[:5]])
+def test_pass_two_on_matrix_units_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype):
+    """Both passes of the site loop on matrix units (``DOT_SOURCES``: pass two recomputes the
+    scores and sums the key norm's term t over the heads from pass one's shares): outputs, lse and
+    every gradient against float64 within the bf16 tolerance, the source gradients within rounding
+    of the vector pass two's."""
+    errs, ran, got = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, pass_two=True)
+    assert ran and max(errs) < TOL[dtype], errs
+    _, _, vector = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype)
+    # the source gradients (bf16) differ from the vector pass two's by rounding flips only (1e-4 to 1e-3);
+    # dropping a bf16 pair's low half would make it ~4e-3
+    for a, b in zip(got[sites + 1:sites + 1 + n], vector[sites + 1:sites + 1 + n]):
+        assert rel_err(a, b) < 2e-3, rel_err(a, b)
+
+
+def test_pass_two_on_matrix_units_adds_into_the_gradient_sink(monkeypatch):
+    """With a gradient sink, pass two on matrix units adds each source's gradient to what the sink
+    holds (``ACC``): a model with block routing gives the same gradients with both passes on
+    matrix units as with the vector kernels."""
+    monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
+    launched = []
+    kernel = tr._kernel
+    monkeypatch.setattr(tr, "_kernel", lambda name, interpret: launched.append(name) or kernel(name, interpret))
+    model = tiny_model("attnres", 2, 2, n_layer=3).to(torch.bfloat16)
+    idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    runs = {}
+    for name, stats, sources in (("vector", False, False), ("both", True, True)):
+        monkeypatch.setattr(tr, "DOT_STATS", stats)
+        monkeypatch.setattr(tr, "DOT_SOURCES", sources)
+        runs[name] = triton_loss_and_grads(model, idx)
+        assert ("bwd_sources_dot" in launched) == sources and ("bwd_stats_dot" in launched) == stats, launched
+        launched.clear()
+    (loss_v, grads_v), (loss_d, grads_d) = runs["vector"], runs["both"]
+    assert torch.equal(loss_v, loss_d)
+    for name in grads_v:
+        if grads_v[name].abs().max() < 1e-6:  # the first site sees one source: 0 up to rounding
+            continue
+        assert rel_err(grads_d[name], grads_v[name]) < 2e-2, name
 
 
 def test_pass_one_on_matrix_units_only_where_it_applies():
