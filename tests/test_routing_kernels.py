@@ -328,8 +328,14 @@ DOT_CPU = [
 ]
 
 
-@pytest.mark.parametrize("n,sites,heads,d,tokens,dtype", DOT_CPU, ids=[f"N{c[0]}-S{c[1]}-H{c[2]}-d{c[3]}-T{c[4]}-{str(c[5]).split('.')[-1]}" for c in DOT_CPU])
-@pytest.mark.parametrize("tile_elements", [4096, 256], ids=["tile4096", "tile256"])
+# every case on the default tiles (several tokens per tile), the lighter ones on tiles of one token too
+DOT_CPU_TILES = [(*c, 4096) for c in DOT_CPU] + [(*c, 256) for c in DOT_CPU if c[0] * c[1] <= 72]
+
+
+@pytest.mark.parametrize(
+    "n,sites,heads,d,tokens,dtype,tile_elements", DOT_CPU_TILES,
+    ids=[f"N{c[0]}-S{c[1]}-H{c[2]}-d{c[3]}-T{c[4]}-{str(c[5]).split('.')[-1]}-tile{c[6]}" for c in DOT_CPU_TILES],
+)
 def test_pass_one_on_matrix_units_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype, tile_elements):
     """Pass one of the site loop as products of (token, site) and (token, source) rows
     (``_route_bwd_stats_dot``): N = 1 .. 41 sources, 1 to 16 sites, head widths 16 to 64, bf16
