@@ -70,11 +70,11 @@ KNOBS = {
     "bwd1024": {(TR, "TILE_ELEMENTS", "bwd"): 1024},  # two-pass tiles of half the tokens (8 elements per thread: 4 warps; replacement form)
     "grid32": {(TR, "OCCUPANCY_GRIDS"): frozenset()},  # persistent backward grids of 32 warps per SM, not sized by registers
     "occ-stats": {(TR, "OCCUPANCY_GRIDS"): frozenset({"bwd", "bwd_stats", "bwd_stats_dot"})},  # site loop's pass one sized too
-    "vector-stats": {(TR, "DOT_STATS"): False},  # pass one of the site loop on the vector kernel, not matrix units
-    "dot-w4": {(TR, "DOT_WARPS"): 4},  # pass one on matrix units: 4 warps per program (default 2)
+    "vector-stats": {(TR, "DOT_STATS"): False},  # pass one of the site loop on the vector kernel, not tensor cores
+    "dot-w4": {(TR, "DOT_WARPS"): 4},  # pass one on tensor cores: 4 warps per program (default 2)
     "dot-w2-one-token": {(TR, "DOT_WARPS_ONE_TOKEN"): 2},  # 2 warps where a tile holds one token (default 4)
-    "dots-at-64": {(TR, "DOT_MIN_HEAD_WIDTH"): 64},  # pass one on matrix units at head width 64 too (100m)
-    "dot-sources": {(TR, "DOT_SOURCES"): True},  # pass two of the site loop on matrix units too
+    "dots-at-64": {(TR, "DOT_MIN_HEAD_WIDTH"): 64},  # pass one on tensor cores at head width 64 too (100m)
+    "dot-sources": {(TR, "DOT_SOURCES"): True},  # pass two of the site loop on tensor cores too
     "dot-tile8192": {(TR, "DOT_TILE_ELEMENTS"): 8192},  # tiles of twice the (token, source) rows
     "pad": {(TR, "SPLIT_WIDTH"): False},  # head widths padded to a power of two, not split in two tiles
     "bwd8w": {(TR, "WARPS", "bwd"): 8},  # the replacement form's two-pass backward on 8 warps whatever its tile

@@ -11,8 +11,8 @@ host needs to launch it) is checked against the package's default configuration
 ``triton.testing.do_bench`` (median), the other kinds at their defaults. A configuration whose
 check fails gets no time. It also times the two backward kernels against each other at one site
 and N sources, which sets ``SITE_LOOP_MIN_SOURCES``, and (``--shapes dots``) pass one of the site
-loop on matrix units against the vector kernel, by warps and elements per tile, and
-(``--shapes passes``) pass one, then both passes, on matrix units against the vector kernels.
+loop on tensor cores against the vector kernel, by warps and elements per tile, and
+(``--shapes passes``) pass one, then both passes, on tensor cores against the vector kernels.
 
     python benchmarks/tune_tiles.py --scale 350m --out OUT    # writes OUT/tune_tiles.csv
 """
@@ -171,11 +171,11 @@ def main(argv=None):
             tr.WARPS.clear()
             torch.cuda.empty_cache()
 
-        # pass one of the site loop on matrix units against the vector kernel: the whole backward of
+        # pass one of the site loop on tensor cores against the vector kernel: the whole backward of
         # phase one (pass two unchanged), block routing's pass and full routing's groups of 8 sites
         dot_shapes = [(f"dots-N8-S{S}-H8", 8, S), ("dots-N9-S8-H8", 9, 8), (f"dots-N{2 * layers - 7}-S8-H8", 2 * layers - 7, 8)]
         dot_configs = [None] + list(itertools.product((1, 2, 4), (2048, 4096, 8192)))
-        # pass one, then both passes of the site loop on matrix units (defaults), against the vector kernels
+        # pass one, then both passes of the site loop on tensor cores (defaults), against the vector kernels
         for name, n, sites in dot_shapes if "passes" in families else ():
             data = make(M, d, n, sites, 8, seed=n)
             tr.DOT_STATS = tr.DOT_SOURCES = False
@@ -206,8 +206,9 @@ def main(argv=None):
             ref_grads = [g.clone() for g in bwd()]
             for config in dot_configs:
                 tr.DOT_STATS = config is not None
-                if config is not None:
-                    tr.DOT_WARPS, tr.DOT_TILE_ELEMENTS = config
+                tr.WARPS.pop("bwd_stats_dot", None)
+                if config is not None:  # WARPS: whatever the tile (DOT_WARPS_ONE_TOKEN would override DOT_WARPS)
+                    tr.WARPS["bwd_stats_dot"], tr.DOT_TILE_ELEMENTS = config
                 row = dict(shape=name, kind="bwd_stats" if config is None else "bwd_stats_dot",
                            elements="" if config is None else f"tile{config[1]}", warps="" if config is None else config[0])
                 try:
@@ -222,6 +223,7 @@ def main(argv=None):
                     row.update(status=f"error {e!r}"[:160])
                 emit(row)
             tr.DOT_STATS, tr.DOT_WARPS, tr.DOT_TILE_ELEMENTS = defaults_dot
+            tr.WARPS.pop("bwd_stats_dot", None)
             del data, fwd, bwd, ref_grads
             torch.cuda.empty_cache()
 

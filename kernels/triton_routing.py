@@ -43,9 +43,9 @@ site over many sources) hold one site's gradient at a time (``STATS_SITES``): th
 program per (site, range of tiles) and also stores every ``s_i`` and ``<dr, v_i>_h``
 (``[S, N, M, H, 2]`` float32), the second one program per (tile, source) with the sites in its
 loop. Where the sources are bf16 with a head width of 128 and the key rstd saved, the first of them
-is ``_route_bwd_stats_dot``: the same outputs, formed as ``tl.dot`` products on the matrix units
+is ``_route_bwd_stats_dot``: the same outputs, formed as ``tl.dot`` products on tensor cores
 (rows (token, site) against rows (token, source) of a tile of tokens, per head; float32 factors
-as bf16 pairs). Eager calls run the autograd through :class:`_RouteFunction`; ``torch.compile``
+as bf16x2 splits, hi + lo). Eager calls run the autograd through :class:`_RouteFunction`; ``torch.compile``
 sees the custom ops.
 
 Each token's width is held in registers as ``[heads, lanes]`` tiles; a head width that is a sum
@@ -165,15 +165,17 @@ SPLIT_SOURCES_RSTD_HEADS = 2
 # Sources in flight per program in the loops over sources (1 or 2), by launch kind: the loop loads
 # source i + PREFETCH while it works on source i. A benchmark knob.
 PREFETCH = {"fwd": 1, "bwd": 1, "bwd_stats": 1}
-# Pass one of the site loop on matrix units (``_route_bwd_stats_dot``) where it applies
+# Pass one of the site loop on tensor cores (``_route_bwd_stats_dot``) where it applies
 # (``_stats_on_dots``): elements per tile (``_dot_tile``), warps (``DOT_WARPS_ONE_TOKEN`` where a
-# tile holds one token's sources), programs per SM of its grid, and the sizes it takes. Measured on
-# an H200 (BENCHMARKS.md, tenth set; ``tune_tiles.py --shapes dots``, forward + backward of phase
-# one at 350m, bf16, H = 8): the backward of 6 sites over 8 blocks took 1.64 ms against 2.59 on the
-# vector kernel, 8 sites over 9 sources 2.20 against 3.74, 8 sites over 41 sources 12.48 (4 warps)
-# or 14.11 (2) against 15.86; in training at 350m block MHAR 0.971 against 0.957 x prenorm, full
-# MHAR 0.765 against 0.732. At head width 64 (100m) it was slower in training (block MHAR 0.898
-# against 0.914, full MHAR 0.771 either way), hence ``DOT_MIN_HEAD_WIDTH``. A benchmark knob.
+# tile holds one token's sources), at most ``DOT_PROGRAMS_PER_SM`` programs per SM in its one-wave
+# grid (sized by registers like the merges'; not compared with other grids), and the sizes it
+# takes. Measured on an H200 (BENCHMARKS.md, tenth set; ``tune_tiles.py --shapes dots``, the
+# backward of one phase-one pass at 350m, both passes, bf16, H = 8): 6 sites over 8 blocks took
+# 1.64 ms against 2.59 on the vector kernel, 8 sites over 9 sources 2.20 against 3.74, 8 sites over
+# 41 sources 12.48 (4 warps) or 14.11 (2) against 15.86; in training at 350m block MHAR 0.971
+# against 0.957 x prenorm, full MHAR 0.765 against 0.732. At head width 64 (100m) it was not faster
+# in training (block MHAR 0.898 against 0.914, near the spread of about 0.015; full MHAR 0.771
+# either way), hence ``DOT_MIN_HEAD_WIDTH``. A benchmark knob.
 DOT_STATS = True
 DOT_TILE_ELEMENTS = 4096
 DOT_WARPS = 2
@@ -183,8 +185,9 @@ DOT_MAX_SITES = 16
 DOT_MAX_SOURCES = 64
 DOT_MIN_HEAD_WIDTH = 128
 DOT_MAX_HEAD_WIDTH = 128
-# Pass two of the site loop on matrix units too (``_route_bwd_sources_dot``) where pass one is: not
-# measured on a GPU yet, so off; a benchmark knob (``dot-sources``).
+# Pass two of the site loop on tensor cores too (``_route_bwd_sources_dot``) where pass one is:
+# tested in the interpreter only, not yet compiled or measured on a GPU, so off; a benchmark knob
+# (``dot-sources``).
 DOT_SOURCES = False
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
@@ -745,26 +748,28 @@ def _route_bwd_stats_dot(
     dsum_ptr, dw_ptr, sa_ptr, rstd_ptr, t_ptr,
     M, num_tiles, progs,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-    ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr, DOT_F32: tl.constexpr,
     STORE_SA: tl.constexpr, STORE_T: tl.constexpr,
 ):
-    # Site-loop backward, pass one, on matrix units: the same outputs as ``_route_bwd_stats``
-    # (replacement form, saved key rstd, all N <= BN sources in one tile, head width DH a power of
-    # two >= 16). Program (p, h) serves head h of token tiles p, p + progs, ... A tile of BM tokens
-    # is held as two matrices of rows (token, site) [BM*BS, DH] (the sites' output gradients dR;
-    # the weights W = q * g repeated per token) and rows (token, source) [BM*BN, DH] (V), so that
+    # Site-loop backward, pass one, on tensor cores (bf16 sources and gradients): the outputs of
+    # ``_route_bwd_stats`` (replacement form, saved key rstd, all N <= BN sources in one tile, head
+    # width DH a power of two >= 16). Program (p, h) serves head h of token tiles p, p + progs, ...
+    # A tile of BM tokens is held as rows (token, site) [BM*BS, DH] (the sites' output gradients
+    # dR; the weights W = q * g repeated per token) and rows (token, source) [BM*BN, DH] (V), so
     #   sc = rstd * W V^T,  a = dR V^T                                        [BM*BS, BM*BN]
-    # are plain products; only the blocks where the two rows' tokens agree are used (the others are
-    # masked off: matrix units have the spare throughput). With every source of a token in the
+    # are plain products, of which only the blocks where both rows' tokens agree are used (the
+    # rest, BM - 1 of every BM products, is masked off). With every source of a token in the
     # tile, D = sum_i alpha_i a_i - dlse is complete before the weight gradient's product
     #   dw += (ds * rstd) V,  ds = alpha * (a - D)                            [BM*BS, DH]
-    # (rows summed per site at the end), so it needs no second pass and no X - D * Y cancellation.
-    # With SPLIT (bf16 sources and gradients) float32 factors (W, the coefficients) enter as bf16
-    # pairs hi + lo: products exact to about 2^-16 relative, sums in float32; V and dR are exact
-    # in bf16. DOT_F32 (the interpreter, float32 inputs) multiplies in float32. STORE_SA writes the
-    # scores and a for the vector pass two; STORE_T instead writes this head's share of the key
-    # norm's term t = sum_s ds_s * sc_s per (source, token) ([N, M, H] float32) for the matrix pass
-    # two (``_route_bwd_sources_dot``), which recomputes the scores.
+    # (rows summed per site at the end): no second pass, no X - D * Y cancellation.
+    # The float32 factors (W, the coefficients) enter as a bf16x2 split, hi + lo: each product is
+    # exact to about 2^-17 relative, sums are float32; V and dR are bf16 already. The scores are
+    # thus within about 2^-17 |<w, v>| rstd of float32 ones (an absolute error in the exponent:
+    # harmless next to bf16 outputs, though the query gradient is less exact than the vector
+    # kernel's at large score spreads). DOT_F32 (the interpreter, whose bf16 ``tl.dot`` is wrong)
+    # multiplies the same bf16 values in float32. STORE_SA writes the scores and a for the vector
+    # pass two; STORE_T instead writes this head's share of the key norm's term
+    # t = sum_s ds_s * sc_s per (source, token) ([N, M, H] float32) for ``_route_bwd_sources_dot``.
     pid = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.arange(0, BM * BS)  # rows (token, site)
@@ -778,13 +783,11 @@ def _route_bwd_stats_dot(
     smask = s_r < n_sites
     jmask = j_q < n_src
     w_off = s_r[:, None] * D + col
-    w = tl.load(w_ptr + w_off, mask=smask[:, None], other=0.0)  # [BM*BS, DH]: float32, or bf16 hi with SPLIT
-    if SPLIT:
-        w_lo = tl.load(wlo_ptr + w_off, mask=smask[:, None], other=0.0)
+    w = tl.load(w_ptr + w_off, mask=smask[:, None], other=0.0)  # [BM*BS, DH] bf16: W's hi half
+    w_lo = tl.load(wlo_ptr + w_off, mask=smask[:, None], other=0.0)
     if DOT_F32:
         w = w.to(tl.float32)
-        if SPLIT:
-            w_lo = w_lo.to(tl.float32)
+        w_lo = w_lo.to(tl.float32)
     g_off = tl.multiple_of(tl.load(g_offs + s_r, mask=smask, other=0), G_ALIGN)[:, None]  # [BM*BS, 1]
     off = tl.multiple_of(tl.load(src_offs + j_q, mask=jmask, other=0), ALIGN)[:, None]  # [BM*BN, 1]
     same = m_r[:, None] == m_q[None, :]  # [BM*BS, BM*BN]: the blocks of one token
@@ -805,40 +808,37 @@ def _route_bwd_stats_dot(
         vt = tl.trans(v)
         if DOT_F32:
             sc = tl.dot(w, vt, input_precision="ieee")
-            if SPLIT:
-                sc = tl.dot(w_lo, vt, sc, input_precision="ieee")
+            sc = tl.dot(w_lo, vt, sc, input_precision="ieee")
             a = tl.dot(dr, vt, input_precision="ieee")
         else:
             sc = tl.dot(w, vt)
             sc = tl.dot(w_lo, vt, sc)
             a = tl.dot(dr, vt)
         sc = sc * rstd
+        # where, not a product with a zero weight: a non-finite value of one token stays in its rows
         live = same & rmask[:, None] & qmask[None, :]
         alpha = tl.where(live, tl.exp(sc - lse[:, None]), 0.0)
         if STORE_SA:
             sa_off = ((s_r[:, None].to(tl.int64) * n_src + j_q[None, :]) * M + rows_r[:, None]) * (H * 2) + h * 2
             tl.store(sa_ptr + sa_off, sc, mask=live)
             tl.store(sa_ptr + sa_off + 1, a, mask=live)
-        dsum = tl.reduce(alpha * a, 1, _ADD)  # [BM*BS]
+        dsum = tl.reduce(tl.where(live, alpha * a, 0.0), 1, _ADD)  # [BM*BS]
         if HAS_DLSE:  # d lse_h enters every score like a constant shift of its D
             dsum -= tl.load(dlse_ptr + sh_r, mask=rmask, other=0.0)
         tl.store(dsum_ptr + sh_r, dsum, mask=rmask)
-        ds = alpha * (a - dsum[:, None])  # 0 off the token blocks
+        ds = tl.where(live, alpha * (a - dsum[:, None]), 0.0)
         if STORE_T:
-            t = tl.reduce(ds * sc, 0, _ADD)  # [BM*BN]: this head's share, summed over the sites
+            t = tl.reduce(tl.where(live, ds * sc, 0.0), 0, _ADD)  # [BM*BN]: this head's share, summed over the sites
             tl.store(t_ptr + (j_q.to(tl.int64) * M + rows_q) * H + h, t, mask=qmask)
         coef = ds * rstd
-        if SPLIT:
-            c_hi = coef.to(tl.bfloat16)
-            c_lo = (coef - c_hi.to(tl.float32)).to(tl.bfloat16)
-            if DOT_F32:
-                dw_acc = tl.dot(c_hi.to(tl.float32), v, dw_acc, input_precision="ieee")
-                dw_acc = tl.dot(c_lo.to(tl.float32), v, dw_acc, input_precision="ieee")
-            else:
-                dw_acc = tl.dot(c_hi, v, dw_acc)
-                dw_acc = tl.dot(c_lo, v, dw_acc)
+        c_hi = coef.to(tl.bfloat16)
+        c_lo = (coef - c_hi.to(tl.float32)).to(tl.bfloat16)
+        if DOT_F32:
+            dw_acc = tl.dot(c_hi.to(tl.float32), v, dw_acc, input_precision="ieee")
+            dw_acc = tl.dot(c_lo.to(tl.float32), v, dw_acc, input_precision="ieee")
         else:
-            dw_acc = tl.dot(coef, v, dw_acc, input_precision="ieee")
+            dw_acc = tl.dot(c_hi, v, dw_acc)
+            dw_acc = tl.dot(c_lo, v, dw_acc)
     # rows (token, site) summed per site; partial row of (site, this program's share):
     # [progs, n_sites, d], summed by the host
     dw = tl.reduce(tl.reshape(dw_acc, [BM, BS, DH]), 0, _ADD)  # [BS, DH]
@@ -856,14 +856,15 @@ def _route_bwd_sources_dot(
     D: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
     ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, DOT_F32: tl.constexpr, ACC: tl.constexpr,
 ):
-    # Site-loop backward, pass two, on matrix units (bf16, after ``_route_bwd_stats_dot`` with
-    # STORE_T): the same source gradients as ``_route_bwd_sources``,
+    # Site-loop backward, pass two, on tensor cores (bf16, after ``_route_bwd_stats_dot`` with
+    # STORE_T): the source gradients of ``_route_bwd_sources``,
     #   dv = alpha^T dR + (ds * rstd)^T W - v rstd^2 t / d,      rows (token, source) [BM*BS.., DH]
     # on the tiles of ``_route_bwd_stats_dot`` (program (p, h): head h of every progs-th tile of
     # BM tokens), recomputing the scores and a = <dr, v> as there (no [S, N, M, H, 2] round trip)
     # and summing t over the heads from the partials pass one stored. The coefficients and W enter
-    # as bf16 pairs (hi * hi + hi * lo + lo * hi); dR and V are exact in bf16. With ACC, source
-    # i < n_acc adds acc_base + acc_offs[i] (a gradient sink's sum so far).
+    # as bf16x2 splits (hi * hi + hi * lo + lo * hi); dR and V are bf16 already. With ACC, source
+    # i < n_acc adds acc_base + acc_offs[i] (a gradient sink's sum so far). Not measured on a GPU
+    # yet: off by default (``DOT_SOURCES``).
     pid = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.arange(0, BM * BS)  # rows (token, site)
@@ -918,7 +919,7 @@ def _route_bwd_sources_dot(
         sc = sc * rstd[None, :]
         live = same & rmask[:, None] & qmask[None, :]
         alpha = tl.where(live, tl.exp(sc - lse[:, None]), 0.0)
-        coef = tl.trans(alpha * (a - dsum[:, None]) * rstd[None, :])  # (ds * rstd)^T [BM*BN, BM*BS]
+        coef = tl.trans(tl.where(live, alpha * (a - dsum[:, None]), 0.0) * rstd[None, :])  # (ds * rstd)^T [BM*BN, BM*BS]
         alpha_t = tl.trans(alpha)
         p_hi = alpha_t.to(tl.bfloat16)
         p_lo = (alpha_t - p_hi.to(tl.float32)).to(tl.bfloat16)
@@ -1209,7 +1210,8 @@ _RESIDENT_FALLBACKS: dict = {}  # configurations whose registers could not be re
 # H200 (BENCHMARKS.md, fifth set): sizing the two-pass kernel's grid (the merges) took full MHAR's
 # merge backward from 19.4 to 15.0 ms per step, while sizing pass one of the site loop made full
 # routing's 8-site passes 1.6x slower (52.5 against 33.1 ms per step), so it stays off for that
-# kernel. A benchmark knob.
+# kernel. The tensor-core kernels of the site loop take one wave too (their programs stride over
+# the token tiles; not compared with other grids). A benchmark knob.
 OCCUPANCY_GRIDS = frozenset({"bwd", "bwd_stats_dot", "bwd_sources_dot"})
 
 
@@ -1511,7 +1513,7 @@ def _backward(
 
 
 def _stats_on_dots(n_sites: int, n_src: int, d: int, heads: int, dt: int, gate: Optional[Tensor], has_rstd: bool, dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
-    """Whether pass one of the site loop runs on matrix units (``_route_bwd_stats_dot``): ``DOT_STATS``,
+    """Whether pass one of the site loop runs on tensor cores (``_route_bwd_stats_dot``): ``DOT_STATS``,
     the replacement form with the key rstd saved, at most ``DOT_MAX_SITES`` sites and
     ``DOT_MAX_SOURCES`` sources (one tile), a head width that is a power of two from
     ``DOT_MIN_HEAD_WIDTH`` to ``DOT_MAX_HEAD_WIDTH`` (``tl.dot`` shapes), bf16 sources and
@@ -1600,7 +1602,7 @@ def _backward_site_loop(
         resident = _resident_programs("bwd_stats", device, stats_args(w, w, max(1, 32 // warps)), flags)
         per_group = min(num_tiles, triton.cdiv(_sm_count(device.index or 0) * resident, n_groups))
     if on_dots:
-        # pass one on matrix units: program (p, h) takes head h of every progs-th tile of tokens
+        # pass one on tensor cores: program (p, h) takes head h of every progs-th tile of tokens
         bs_dot, bn_dot, bm_dot = _dot_tile(n_sites, n_src, d // heads)
         w_hi = w.to(torch.bfloat16)
         w_lo = (w - w_hi.float()).to(torch.bfloat16)
@@ -1608,7 +1610,7 @@ def _backward_site_loop(
         dot_flags = dict(
             D=d, H=heads, DH=d // heads, BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), HAS_DLSE=grad_lse is not None,
-            SPLIT=True, DOT_F32=interpret, STORE_SA=not both_on_dots, STORE_T=both_on_dots,
+            DOT_F32=interpret, STORE_SA=not both_on_dots, STORE_T=both_on_dots,
             num_warps=WARPS.get("bwd_stats_dot", DOT_WARPS if bm_dot > 1 else DOT_WARPS_ONE_TOKEN),
         )
 
@@ -1621,9 +1623,11 @@ def _backward_site_loop(
         def dot_programs(name: str, args, flags_) -> int:
             if interpret:
                 return min(tiles_dot, 2)
-            # one wave: every program strides over the same number of tiles
-            resident = min(DOT_PROGRAMS_PER_SM, _resident_programs(name, device, args(1), flags_))
-            return min(tiles_dot, max(1, _sm_count(device.index or 0) * resident // heads))
+            # one wave of programs, each striding over the tiles; the registers are read from a
+            # compile for as many programs as SMs (Triton specialises a count of 1)
+            sms = _sm_count(device.index or 0)
+            resident = min(DOT_PROGRAMS_PER_SM, _resident_programs(name, device, args(sms), flags_))
+            return min(tiles_dot, max(1, sms * resident // heads))
 
         progs = dot_programs("bwd_stats_dot", lambda p: dot_args(w, p), dot_flags)
         dw = _new((progs * n_sites, d), torch.float32, device)

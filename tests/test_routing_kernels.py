@@ -291,10 +291,10 @@ def test_saved_rstd_matches_float64_reference(monkeypatch, sites, n):
         assert max(errs) < TOL[torch.float32], (save, errs)
 
 
-def pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, on_dots=True, pass_two=False):
-    """Phase one (``route_sites``) with pass one of the site loop on matrix units or not: errors of
+def pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, on_dots=True, pass_two=False, with_dlse=True):
+    """Phase one (``route_sites``) with pass one of the site loop on tensor cores or not: errors of
     the outputs, lse and every gradient (sources, queries, gains; with an lse gradient) against
-    float64, and whether the matrix kernel ran."""
+    float64, and whether the tensor-core kernel ran."""
     monkeypatch.setattr(tr, "DOT_STATS", on_dots)
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)  # small widths here, 128 and up in training
     monkeypatch.setattr(tr, "DOT_SOURCES", pass_two)
@@ -312,7 +312,9 @@ def pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, 
     def run(impl, cast):
         leaves = [cast(x).requires_grad_() for x in (*srcs, queries, gains)]
         outs, lse = impl.route_sites(leaves[:n], leaves[n], leaves[n + 1], heads)
-        loss = sum((o.double() * d_).sum() for o, d_ in zip(outs, douts)) + (lse.double() * dlse).sum()
+        loss = sum((o.double() * d_).sum() for o, d_ in zip(outs, douts))
+        if with_dlse:
+            loss = loss + (lse.double() * dlse).sum()
         return [*outs, lse, *torch.autograd.grad(loss, leaves)]
 
     with use_backend("triton"):
@@ -324,7 +326,7 @@ def pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, 
 DOT_CPU = [
     (1, 3, 4, 64, 37, torch.bfloat16), (9, 8, 8, 256, 19, torch.bfloat16), (17, 8, 4, 128, 23, torch.bfloat16),
     (33, 16, 2, 64, 5, torch.bfloat16), (2, 2, 1, 32, 30, torch.bfloat16), (9, 1, 8, 512, 7, torch.bfloat16),
-    (41, 8, 1, 32, 9, torch.bfloat16),
+    (41, 8, 1, 32, 9, torch.bfloat16), (9, 8, 1, 128, 5, torch.bfloat16),
 ]
 
 
@@ -336,27 +338,80 @@ DOT_CPU_TILES = [(*c, 4096) for c in DOT_CPU] + [(*c, 256) for c in DOT_CPU if c
     "n,sites,heads,d,tokens,dtype,tile_elements", DOT_CPU_TILES,
     ids=[f"N{c[0]}-S{c[1]}-H{c[2]}-d{c[3]}-T{c[4]}-{str(c[5]).split('.')[-1]}-tile{c[6]}" for c in DOT_CPU_TILES],
 )
-def test_pass_one_on_matrix_units_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype, tile_elements):
+def test_pass_one_on_tensor_cores_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype, tile_elements):
     """Pass one of the site loop as products of (token, site) and (token, source) rows
     (``_route_bwd_stats_dot``): N = 1 .. 41 sources, 1 to 16 sites, head widths 16 to 64, bf16
-    (float32 factors entering as bf16 pairs), token counts no tile divides, tiles of several tokens
+    (float32 factors entering as bf16x2 splits), token counts no tile divides, tiles of several tokens
     and of one: the outputs, lse and every gradient against float64 within the bf16 tolerance, the
-    query and gain gradients as close as the vector kernel's, and the matrix kernel ran."""
+    query and gain gradients as close as the vector kernel's, and the tensor-core kernel ran."""
     monkeypatch.setattr(tr, "DOT_TILE_ELEMENTS", tile_elements)  # several tokens per tile, or one (sites padded)
     errs, ran, _ = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype)
-    assert ran, "the matrix kernel did not run"
+    assert ran, "the tensor-core kernel did not run"
     assert max(errs) < TOL[dtype], errs
     vector, ran, _ = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, on_dots=False)
     assert not ran
     # query and gain gradients (float32 outputs: the last two) no further from float64 than the
-    # vector kernel's, up to the bf16 pairs' 2^-16 per product
+    # vector kernel's, up to the bf16x2 splits' 2^-17 per product
     for e, v in zip(errs[-2:], vector[-2:]):
         assert e <= 1.5 * v + 4e-5, (errs, vector)
 
 
+def test_pass_one_on_tensor_cores_stores_what_the_vector_kernel_stores(monkeypatch):
+    """What pass one hands to pass two, compared directly (the source gradients' bf16 tolerance
+    would hide a small error in them): the scores, <dr, v> and D of the tensor-core kernel against
+    the vector kernel's, with and without an lse gradient."""
+    monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_SOURCES", False)
+    kernel = tr._kernel
+    seen = {}
+
+    class Spy:  # the launch of pass two: its arguments 8 and 9 are D and the scores with <dr, v>
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen["dsum"], seen["score_a"] = args[8].clone(), args[9].clone()
+                return self.fn[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(tr, "_kernel", lambda name, interpret: Spy(kernel(name, interpret)) if name == "bwd_sources" else kernel(name, interpret))
+    for with_dlse in (True, False):
+        runs = []
+        for on_dots in (True, False):
+            pass_one_on_dots_vs_float64(monkeypatch, 9, 6, 4, 64, 21, torch.bfloat16, on_dots=on_dots, with_dlse=with_dlse)
+            runs.append(dict(seen))
+        dots, vector = runs
+        scores, a = (dots["score_a"][..., k] for k in (0, 1))
+        assert rel_err(scores, vector["score_a"][..., 0]) < 1e-5, with_dlse  # bf16x2 weights: ~2^-17 of <w, v>
+        assert rel_err(a, vector["score_a"][..., 1]) < 1e-6, with_dlse  # exact products, float32 sums
+        assert rel_err(dots["dsum"], vector["dsum"]) < 1e-5, with_dlse
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy, computing with the inf
+def test_pass_one_on_tensor_cores_keeps_a_non_finite_value_to_its_token(monkeypatch):
+    """An inf in one token of one source makes that token's gradients non-finite, as in the vector
+    kernel, but not those of the other tokens sharing its tile (products across tokens are masked
+    with where, not multiplied by a zero weight)."""
+    monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
+    g = torch.Generator().manual_seed(8)
+    srcs = [torch.randn(16, 32, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
+    srcs[1][5, 3] = float("inf")
+    leaves = [x.clone().requires_grad_() for x in srcs]
+    queries, gains = (0.3 * torch.randn(2, 32, generator=g)).to(DEVICE), torch.ones(2, 32, device=DEVICE)
+    monkeypatch.setattr(tr, "POISON_OUTPUTS", False)
+    with use_backend("triton"):
+        outs, _ = tr.route_sites(leaves, queries, gains, 2)
+        grads = torch.autograd.grad(sum(o.float().sum() for o in outs), leaves)
+    assert tr._dot_tile(2, 3, 16)[2] > 1  # several tokens per tile
+    for grad in grads:
+        others = torch.cat([grad[:5], grad[6:]])
+        assert torch.isfinite(others).all()
+
+
 @pytest.mark.parametrize("n,sites,heads,d,tokens,dtype", DOT_CPU[:5], ids=[f"N{c[0]}-S{c[1]}-H{c[2]}-d{c[3]}-T{c[4]}" for c in DOT_CPU[:5]])
-def test_pass_two_on_matrix_units_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype):
-    """Both passes of the site loop on matrix units (``DOT_SOURCES``: pass two recomputes the
+def test_pass_two_on_tensor_cores_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype):
+    """Both passes of the site loop on tensor cores (``DOT_SOURCES``: pass two recomputes the
     scores and sums the key norm's term t over the heads from pass one's shares): outputs, lse and
     every gradient against float64 within the bf16 tolerance, the source gradients within rounding
     of the vector pass two's."""
@@ -364,15 +419,15 @@ def test_pass_two_on_matrix_units_matches_float64_reference(monkeypatch, n, site
     assert ran and max(errs) < TOL[dtype], errs
     _, _, vector = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype)
     # the source gradients (bf16) differ from the vector pass two's by rounding flips only (1e-4 to 1e-3);
-    # dropping a bf16 pair's low half would make it ~4e-3
+    # dropping a bf16x2 split's low half would make it ~4e-3
     for a, b in zip(got[sites + 1:sites + 1 + n], vector[sites + 1:sites + 1 + n]):
         assert rel_err(a, b) < 2e-3, rel_err(a, b)
 
 
-def test_pass_two_on_matrix_units_adds_into_the_gradient_sink(monkeypatch):
-    """With a gradient sink, pass two on matrix units adds each source's gradient to what the sink
+def test_pass_two_on_tensor_cores_adds_into_the_gradient_sink(monkeypatch):
+    """With a gradient sink, pass two on tensor cores adds each source's gradient to what the sink
     holds (``ACC``): a model with block routing gives the same gradients with both passes on
-    matrix units as with the vector kernels."""
+    tensor cores as with the vector kernels."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     launched = []
     kernel = tr._kernel
@@ -394,8 +449,8 @@ def test_pass_two_on_matrix_units_adds_into_the_gradient_sink(monkeypatch):
         assert rel_err(grads_d[name], grads_v[name]) < 2e-2, name
 
 
-def test_pass_one_on_matrix_units_only_where_it_applies():
-    """The matrix kernel takes the replacement form with the key rstd saved, at most 16 sites and
+def test_pass_one_on_tensor_cores_only_where_it_applies():
+    """The tensor-core kernel takes the replacement form with the key rstd saved, at most 16 sites and
     64 sources, a head width of 128 (DOT_MIN_HEAD_WIDTH; 64 was slower in training), bf16; anything
     else keeps the vector kernel. Its tiles hold at least 16 rows of each operand and about DOT_TILE_ELEMENTS
     elements."""
