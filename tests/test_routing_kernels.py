@@ -291,10 +291,11 @@ def test_saved_rstd_matches_float64_reference(monkeypatch, sites, n):
         assert max(errs) < TOL[torch.float32], (save, errs)
 
 
-def pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, on_dots=True, pass_two=False, with_dlse=True):
-    """Phase one (``route_sites``) with pass one of the site loop on tensor cores or not: errors of
-    the outputs, lse and every gradient (sources, queries, gains; with an lse gradient) against
-    float64, and whether the tensor-core kernel ran."""
+def site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, on_dots=True, pass_two=False, with_dlse=True):
+    """Phase one (``route_sites``) with pass one (and with ``pass_two`` pass two) of the site loop
+    on tensor cores or not: errors of the outputs, lse and every gradient (sources, queries, gains;
+    with an lse gradient unless ``with_dlse`` is False) against float64, whether the tensor-core
+    kernel ran, and the outputs and gradients themselves."""
     monkeypatch.setattr(tr, "DOT_STATS", on_dots)
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)  # small widths here, 128 and up in training
     monkeypatch.setattr(tr, "DOT_SOURCES", pass_two)
@@ -345,10 +346,10 @@ def test_pass_one_on_tensor_cores_matches_float64_reference(monkeypatch, n, site
     and of one: the outputs, lse and every gradient against float64 within the bf16 tolerance, the
     query and gain gradients as close as the vector kernel's, and the tensor-core kernel ran."""
     monkeypatch.setattr(tr, "DOT_TILE_ELEMENTS", tile_elements)  # several tokens per tile, or one (sites padded)
-    errs, ran, _ = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype)
+    errs, ran, _ = site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype)
     assert ran, "the tensor-core kernel did not run"
     assert max(errs) < TOL[dtype], errs
-    vector, ran, _ = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, on_dots=False)
+    vector, ran, _ = site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, on_dots=False)
     assert not ran
     # query and gain gradients (float32 outputs: the last two) no further from float64 than the
     # vector kernel's, up to the bf16x2 splits' 2^-17 per product
@@ -379,7 +380,7 @@ def test_pass_one_on_tensor_cores_stores_what_the_vector_kernel_stores(monkeypat
     for with_dlse in (True, False):
         runs = []
         for on_dots in (True, False):
-            pass_one_on_dots_vs_float64(monkeypatch, 9, 6, 4, 64, 21, torch.bfloat16, on_dots=on_dots, with_dlse=with_dlse)
+            site_loop_on_tensor_cores_vs_float64(monkeypatch, 9, 6, 4, 64, 21, torch.bfloat16, on_dots=on_dots, with_dlse=with_dlse)
             runs.append(dict(seen))
         dots, vector = runs
         scores, a = (dots["score_a"][..., k] for k in (0, 1))
@@ -415,9 +416,9 @@ def test_pass_two_on_tensor_cores_matches_float64_reference(monkeypatch, n, site
     scores and sums the key norm's term t over the heads from pass one's shares): outputs, lse and
     every gradient against float64 within the bf16 tolerance, the source gradients within rounding
     of the vector pass two's."""
-    errs, ran, got = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, pass_two=True)
+    errs, ran, got = site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, pass_two=True)
     assert ran and max(errs) < TOL[dtype], errs
-    _, _, vector = pass_one_on_dots_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype)
+    _, _, vector = site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype)
     # the source gradients (bf16) differ from the vector pass two's by rounding flips only (1e-4 to 1e-3);
     # dropping a bf16x2 split's low half would make it ~4e-3
     for a, b in zip(got[sites + 1:sites + 1 + n], vector[sites + 1:sites + 1 + n]):
