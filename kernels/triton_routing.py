@@ -45,8 +45,9 @@ program per (site, range of tiles) and also stores every ``s_i`` and ``<dr, v_i>
 loop. Where the sources are bf16 with a head width of 128 and the key rstd saved, the first of them
 is ``_route_bwd_stats_dot``: the same outputs, formed as ``tl.dot`` products on tensor cores
 (rows (token, site) against rows (token, source) of a tile of tokens, per head; float32 factors
-as bf16x2 splits, hi + lo). Eager calls run the autograd through :class:`_RouteFunction`; ``torch.compile``
-sees the custom ops.
+as bf16x2 splits, hi + lo). ``_route_bwd_sources_dot`` does the same for the second (off by
+default: not yet measured on a GPU). Eager calls run the autograd through
+:class:`_RouteFunction`; ``torch.compile`` sees the custom ops.
 
 Each token's width is held in registers as ``[heads, lanes]`` tiles; a head width that is a sum
 of two powers of two (160 = 128 + 32 at 1b) is held as two tiles per head (``SPLIT_WIDTH``: every
@@ -858,7 +859,7 @@ def _route_bwd_sources_dot(
 ):
     # Site-loop backward, pass two, on tensor cores (bf16, after ``_route_bwd_stats_dot`` with
     # STORE_T): the source gradients of ``_route_bwd_sources``,
-    #   dv = alpha^T dR + (ds * rstd)^T W - v rstd^2 t / d,      rows (token, source) [BM*BS.., DH]
+    #   dv = alpha^T dR + (ds * rstd)^T W - v rstd^2 t / d,      rows (token, source) [BM*BN, DH]
     # on the tiles of ``_route_bwd_stats_dot`` (program (p, h): head h of every progs-th tile of
     # BM tokens), recomputing the scores and a = <dr, v> as there (no [S, N, M, H, 2] round trip)
     # and summing t over the heads from the partials pass one stored. The coefficients and W enter
@@ -1553,6 +1554,12 @@ def _backward_site_loop(
     kernels the reduction over the width; an empty tensor or None recomputes it. With ``sink`` the
     source gradients are added into its slots ``0 .. N - 1`` inside pass two (the returned source
     gradient is then an empty tensor).
+
+    Where ``_stats_on_dots`` holds (bf16, the replacement form, ``rstd`` given, head width 128),
+    pass one is ``_route_bwd_stats_dot`` (tensor cores; one program per head and range of tiles of
+    ``_dot_tile`` tokens), and with ``DOT_SOURCES`` pass two is ``_route_bwd_sources_dot``, which
+    recomputes the scores and takes the key norm's term as per-head shares pass one wrote
+    (``[N, tokens, H]`` float32) instead of the ``[S, N, tokens, H, 2]`` scores.
     """
     like = sources[0]
     shape, d = like.shape, like.shape[-1]
