@@ -69,7 +69,7 @@ KNOBS = {
     "bwd4096": {(TR, "TILE_ELEMENTS", "bwd"): 4096, (TR, "ELEMENTS_PER_THREAD", "bwd"): 16},  # the former two-pass tiles (replacement form; the additive form's kind is "bwd_add")
     "bwd1024": {(TR, "TILE_ELEMENTS", "bwd"): 1024},  # two-pass tiles of half the tokens (8 elements per thread: 4 warps; replacement form)
     "grid32": {(TR, "OCCUPANCY_GRIDS"): frozenset()},  # persistent backward grids of 32 warps per SM, not sized by registers
-    "occ-stats": {(TR, "OCCUPANCY_GRIDS"): frozenset({"bwd", "bwd_stats", "bwd_stats_dot"})},  # site loop's pass one sized too
+    "occ-stats": {(TR, "OCCUPANCY_GRIDS"): frozenset({"bwd", "bwd_stats", "bwd_stats_dot", "bwd_sources_dot"})},  # the vector pass one sized too
     "vector-stats": {(TR, "DOT_STATS"): False},  # pass one of the site loop on the vector kernel, not tensor cores
     "dot-w4": {(TR, "DOT_WARPS"): 4},  # pass one on tensor cores: 4 warps per program (default 2)
     "dot-w2-one-token": {(TR, "DOT_WARPS_ONE_TOKEN"): 2},  # 2 warps where a tile holds one token (default 4)
