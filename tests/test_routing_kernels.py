@@ -389,6 +389,18 @@ def test_pass_one_on_tensor_cores_stores_what_the_vector_kernel_stores(monkeypat
         assert rel_err(dots["dsum"], vector["dsum"]) < 1e-5, with_dlse
 
 
+@pytest.mark.parametrize("pass_two", [False, True], ids=["pass-one", "both-passes"])
+def test_site_loop_on_tensor_cores_is_deterministic(monkeypatch, pass_two):
+    """The tensor-core kernels (no atomics; per-program partials summed in a fixed order) give
+    bit-identical gradients in two runs, over a grid where programs stride over several tiles."""
+    monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_SOURCES", pass_two)
+    runs = [site_loop_on_tensor_cores_vs_float64(monkeypatch, 9, 3, 4, 64, 45, torch.bfloat16, pass_two=pass_two)[2] for _ in range(2)]
+    assert tr._dot_tile(3, 9, 16)[2] * 2 < 45  # two programs (the interpreter's grid), several tiles each
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy, computing with the inf
 @pytest.mark.parametrize("pass_two", [False, True], ids=["pass-one", "both-passes"])
 def test_site_loop_on_tensor_cores_keeps_a_non_finite_value_to_its_token(monkeypatch, pass_two):
