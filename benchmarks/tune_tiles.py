@@ -117,7 +117,6 @@ def main(argv=None):
     d, layers, M = SCALES[args.scale]
     S = 2 * layers // 8
     defaults = (dict(tr.TILE_ELEMENTS), dict(tr.WARPS))
-    defaults_dot = (tr.DOT_STATS, tr.DOT_WARPS, tr.DOT_TILE_ELEMENTS)
     path = os.path.join(args.out, "tune_tiles.csv")
     with open(path, "a", newline="") as fh:
         w = csv.DictWriter(fh, FIELDS)
@@ -171,61 +170,48 @@ def main(argv=None):
             tr.WARPS.clear()
             torch.cuda.empty_cache()
 
-        # pass one of the site loop on tensor cores against the vector kernel: the whole backward of
-        # phase one (pass two unchanged), block routing's pass and full routing's groups of 8 sites
+        # the site loop on tensor cores against the vector kernels: the whole backward of phase one,
+        # block routing's pass and full routing's groups of 8 sites. "dots": pass one by warps (set
+        # for the kind whatever the tile) and elements per tile; "passes": pass one, then both passes.
         dot_shapes = [(f"dots-N8-S{S}-H8", 8, S), ("dots-N9-S8-H8", 9, 8), (f"dots-N{2 * layers - 7}-S8-H8", 2 * layers - 7, 8)]
-        dot_configs = [None] + list(itertools.product((1, 2, 4), (2048, 4096, 8192)))
-        # pass one, then both passes of the site loop on tensor cores (defaults), against the vector kernels
-        for name, n, sites in dot_shapes if "passes" in families else ():
-            data = make(M, d, n, sites, 8, seed=n)
-            tr.DOT_STATS = tr.DOT_SOURCES = False
-            fwd, bwd = runner(*data, 8)
-            ref_grads = [g.clone() for g in bwd()]
-            for kind, stats, both in (("vector", False, False), ("pass-one-dots", True, False), ("both-dots", True, True)):
-                tr.DOT_STATS, tr.DOT_SOURCES = stats, both
-                row = dict(shape=name.replace("dots", "passes"), kind=kind)
-                try:
-                    _, b2 = runner(*data, 8)
-                    diff = max(rel(g, r) for g, r in zip(b2(), ref_grads))
-                    row["rel_diff"] = f"{diff:.1e}"
-                    if diff > 1e-2:
-                        row["status"] = "FAILED check"
-                    else:
-                        row.update(ms=f"{do_bench(b2, warmup=5, rep=30, return_mode='median'):.4f}", status="ok")
-                except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a result
-                    row.update(status=f"error {e!r}"[:160])
-                emit(row)
-            tr.DOT_STATS, tr.DOT_SOURCES = True, False
-            del data, fwd, bwd, ref_grads
-            torch.cuda.empty_cache()
-
-        for name, n, sites in dot_shapes if "dots" in families else ():
-            data = make(M, d, n, sites, 8, seed=n)
-            tr.DOT_STATS = False
-            fwd, bwd = runner(*data, 8)
-            ref_grads = [g.clone() for g in bwd()]
-            for config in dot_configs:
-                tr.DOT_STATS = config is not None
-                tr.WARPS.pop("bwd_stats_dot", None)
-                if config is not None:  # WARPS: whatever the tile (DOT_WARPS_ONE_TOKEN would override DOT_WARPS)
-                    tr.WARPS["bwd_stats_dot"], tr.DOT_TILE_ELEMENTS = config
-                row = dict(shape=name, kind="bwd_stats" if config is None else "bwd_stats_dot",
-                           elements="" if config is None else f"tile{config[1]}", warps="" if config is None else config[0])
-                try:
-                    _, b2 = runner(*data, 8)
-                    diff = max(rel(g, r) for g, r in zip(b2(), ref_grads))
-                    row["rel_diff"] = f"{diff:.1e}"
-                    if diff > 1e-2:
-                        row["status"] = "FAILED check"
-                    else:
-                        row.update(ms=f"{do_bench(b2, warmup=5, rep=50, return_mode='median'):.4f}", status="ok")
-                except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a result
-                    row.update(status=f"error {e!r}"[:160])
-                emit(row)
-            tr.DOT_STATS, tr.DOT_WARPS, tr.DOT_TILE_ELEMENTS = defaults_dot
-            tr.WARPS.pop("bwd_stats_dot", None)
-            del data, fwd, bwd, ref_grads
-            torch.cuda.empty_cache()
+        vector = dict(DOT_STATS=False, DOT_SOURCES=False)
+        dot_configs = {
+            "dots": [(dict(kind="bwd_stats"), vector)] + [
+                (dict(kind="bwd_stats_dot", elements=f"tile{tile}", warps=warps), dict(DOT_STATS=True, DOT_TILE_ELEMENTS=tile, WARPS={"bwd_stats_dot": warps}))
+                for warps, tile in itertools.product((1, 2, 4), (2048, 4096, 8192))
+            ],
+            "passes": [
+                (dict(kind="vector"), vector), (dict(kind="pass-one-dots"), dict(DOT_STATS=True, DOT_SOURCES=False)),
+                (dict(kind="both-dots"), dict(DOT_STATS=True, DOT_SOURCES=True)),
+            ],
+        }
+        for family, configs in dot_configs.items():
+            for name, n, sites in dot_shapes if family in families else ():
+                data = make(M, d, n, sites, 8, seed=n)
+                saved = {k: getattr(tr, k) for k in ("DOT_STATS", "DOT_SOURCES", "DOT_TILE_ELEMENTS", "WARPS")}
+                for k, v in vector.items():
+                    setattr(tr, k, v)
+                _, bwd = runner(*data, 8)
+                ref_grads = [g.clone() for g in bwd()]
+                for fields, settings in configs:
+                    for k, v in {**saved, **settings}.items():
+                        setattr(tr, k, v)
+                    row = dict(shape=name.replace("dots", family), **fields)
+                    try:
+                        _, b2 = runner(*data, 8)
+                        diff = max(rel(g, r) for g, r in zip(b2(), ref_grads))
+                        row["rel_diff"] = f"{diff:.1e}"
+                        if diff > 1e-2:
+                            row["status"] = "FAILED check"
+                        else:
+                            row.update(ms=f"{do_bench(b2, warmup=5, rep=50, return_mode='median'):.4f}", status="ok")
+                    except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a result
+                        row.update(status=f"error {e!r}"[:160])
+                    emit(row)
+                for k, v in saved.items():
+                    setattr(tr, k, v)
+                del data, bwd, ref_grads
+                torch.cuda.empty_cache()
 
         # one site over N sources: two-pass against site-loop backward
         for n in sorted({9, 13, 17, 25, 33, 2 * layers + 1}) if "one-site" in families else ():
