@@ -74,7 +74,9 @@ KNOBS = {
     "dot-w4": {(TR, "DOT_WARPS"): 4},  # pass one on tensor cores: 4 warps per program (default 2)
     "dot-w2-one-token": {(TR, "DOT_WARPS_ONE_TOKEN"): 2},  # 2 warps where a tile holds one token (default 4)
     "dots-at-64": {(TR, "DOT_MIN_HEAD_WIDTH"): 64},  # pass one on tensor cores at head width 64 too (100m)
-    "dot-sources": {(TR, "DOT_SOURCES"): True},  # pass two of the site loop on tensor cores too
+    "dot-sources": {(TR, "DOT_SOURCES"): True},  # pass two on tensor cores too: the default since the eleventh set (BENCHMARKS.md)
+    "vector-sources": {(TR, "DOT_SOURCES"): False},  # pass two of the site loop on the vector kernel (pass one on tensor cores)
+    "dots-at-160": {(TR, "DOT_MAX_HEAD_WIDTH"): 160},  # both passes on tensor cores at head width 160 too (1b), padded to 256
     "dot-tile8192": {(TR, "DOT_TILE_ELEMENTS"): 8192},  # tiles of twice the (token, source) rows
     "pad": {(TR, "SPLIT_WIDTH"): False},  # head widths padded to a power of two, not split in two tiles
     "bwd8w": {(TR, "WARPS", "bwd"): 8},  # the replacement form's two-pass backward on 8 warps whatever its tile

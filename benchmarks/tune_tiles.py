@@ -173,22 +173,23 @@ def main(argv=None):
         # the site loop on tensor cores against the vector kernels: the whole backward of phase one,
         # block routing's pass and full routing's groups of 8 sites. "dots": pass one by warps (set
         # for the kind whatever the tile) and elements per tile; "passes": pass one, then both passes.
+        # The tensor-core kernels take any head width here up to 256 (1b's 160 padded to 256).
         dot_shapes = [(f"dots-N8-S{S}-H8", 8, S), ("dots-N9-S8-H8", 9, 8), (f"dots-N{2 * layers - 7}-S8-H8", 2 * layers - 7, 8)]
         vector = dict(DOT_STATS=False, DOT_SOURCES=False)
         dot_configs = {
             "dots": [(dict(kind="bwd_stats"), vector)] + [
-                (dict(kind="bwd_stats_dot", elements=f"tile{tile}", warps=warps), dict(DOT_STATS=True, DOT_TILE_ELEMENTS=tile, WARPS={"bwd_stats_dot": warps}))
+                (dict(kind="bwd_stats_dot", elements=f"tile{tile}", warps=warps), dict(DOT_STATS=True, DOT_MAX_HEAD_WIDTH=256, DOT_TILE_ELEMENTS=tile, WARPS={"bwd_stats_dot": warps}))
                 for warps, tile in itertools.product((1, 2, 4), (2048, 4096, 8192))
             ],
             "passes": [
-                (dict(kind="vector"), vector), (dict(kind="pass-one-dots"), dict(DOT_STATS=True, DOT_SOURCES=False)),
-                (dict(kind="both-dots"), dict(DOT_STATS=True, DOT_SOURCES=True)),
+                (dict(kind="vector"), vector), (dict(kind="pass-one-dots"), dict(DOT_STATS=True, DOT_SOURCES=False, DOT_MAX_HEAD_WIDTH=256)),
+                (dict(kind="both-dots"), dict(DOT_STATS=True, DOT_SOURCES=True, DOT_MAX_HEAD_WIDTH=256)),
             ],
         }
         for family, configs in dot_configs.items():
             for name, n, sites in dot_shapes if family in families else ():
                 data = make(M, d, n, sites, 8, seed=n)
-                saved = {k: getattr(tr, k) for k in ("DOT_STATS", "DOT_SOURCES", "DOT_TILE_ELEMENTS", "WARPS")}
+                saved = {k: getattr(tr, k) for k in ("DOT_STATS", "DOT_SOURCES", "DOT_MAX_HEAD_WIDTH", "DOT_TILE_ELEMENTS", "WARPS")}
                 for k, v in vector.items():
                     setattr(tr, k, v)
                 _, bwd = runner(*data, 8)

@@ -186,10 +186,16 @@ DOT_MAX_SITES = 16
 DOT_MAX_SOURCES = 64
 DOT_MIN_HEAD_WIDTH = 128
 DOT_MAX_HEAD_WIDTH = 128
-# Pass two of the site loop on tensor cores too (``_route_bwd_sources_dot``) where pass one is:
-# tested in the interpreter only, not yet compiled or measured on a GPU, so off; a benchmark knob
-# (``dot-sources``).
-DOT_SOURCES = False
+# Rows of either operand of a tile at most: the products [BM*BS, BM*BN] grow as the square of the
+# tokens per tile, and at head width 16 pass two's tile of 256 rows asked an H200 for 299 KB of shared
+# memory (232 KB there). From head width 64 up, DOT_TILE_ELEMENTS alone keeps tiles within it.
+DOT_MAX_ROWS = 64
+# Pass two of the site loop on tensor cores too (``_route_bwd_sources_dot``) where pass one is.
+# Measured on an H200 (BENCHMARKS.md, eleventh set; bf16, 350m, H = 8): the backward of 8 sites over
+# 41 sources took 6.63 ms against 13.13 with pass two on the vector kernel (15.79 with both there);
+# in training full MHAR 0.799 against 0.761 x prenorm and Delta full 0.743 against 0.712, block
+# MHAR 0.965 against 0.968. A benchmark knob (``vector-sources``).
+DOT_SOURCES = True
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -748,20 +754,21 @@ def _route_bwd_stats_dot(
     lse_ptr, dlse_ptr,
     dsum_ptr, dw_ptr, sa_ptr, rstd_ptr, t_ptr,
     M, num_tiles, progs,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
     ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr, DOT_F32: tl.constexpr,
     STORE_SA: tl.constexpr, STORE_T: tl.constexpr,
 ):
     # Site-loop backward, pass one, on tensor cores (bf16 sources and gradients): the outputs of
     # ``_route_bwd_stats`` (replacement form, saved key rstd, all N <= BN sources in one tile, head
-    # width DH a power of two >= 16). Program (p, h) serves head h of token tiles p, p + progs, ...
-    # A tile of BM tokens is held as rows (token, site) [BM*BS, DH] (the sites' output gradients
-    # dR; the weights W = q * g repeated per token) and rows (token, source) [BM*BN, DH] (V), so
+    # width DH padded to DHP, a power of two >= 16, by masked columns). Program (p, h) serves head h
+    # of token tiles p, p + progs, ... A tile of BM tokens is held as rows (token, site) [BM*BS, DHP]
+    # (the sites' output gradients dR; the weights W = q * g repeated per token) and rows
+    # (token, source) [BM*BN, DHP] (V), so
     #   sc = rstd * W V^T,  a = dR V^T                                        [BM*BS, BM*BN]
     # are plain products, of which only the blocks where both rows' tokens agree are used (the
     # rest, BM - 1 of every BM products, is masked off). With every source of a token in the
     # tile, D = sum_i alpha_i a_i - dlse is complete before the weight gradient's product
-    #   dw += (ds * rstd) V,  ds = alpha * (a - D)                            [BM*BS, DH]
+    #   dw += (ds * rstd) V,  ds = alpha * (a - D)                            [BM*BS, DHP]
     # (rows summed per site at the end): no second pass, no X - D * Y cancellation.
     # The float32 factors (W, the coefficients) enter as a bf16x2 split, hi + lo: each product is
     # exact to about 2^-17 relative, sums are float32; V and dR are bf16 already. The scores are
@@ -779,27 +786,28 @@ def _route_bwd_stats_dot(
     m_r = r // BS
     j_q = q % BN
     m_q = q // BN
-    c_1 = tl.arange(0, DH)
-    col = h * DH + c_1[None, :]  # [1, DH]
+    c_1 = tl.arange(0, DHP)
+    col = h * DH + c_1[None, :]  # [1, DHP]
+    cmask = c_1[None, :] < DH  # a head's columns of the width padded to DHP
     smask = s_r < n_sites
     jmask = j_q < n_src
     w_off = s_r[:, None] * D + col
-    w = tl.load(w_ptr + w_off, mask=smask[:, None], other=0.0)  # [BM*BS, DH] bf16: W's hi half
-    w_lo = tl.load(wlo_ptr + w_off, mask=smask[:, None], other=0.0)
+    w = tl.load(w_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)  # [BM*BS, DHP] bf16: W's hi half
+    w_lo = tl.load(wlo_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)
     if DOT_F32:
         w = w.to(tl.float32)
         w_lo = w_lo.to(tl.float32)
     g_off = tl.multiple_of(tl.load(g_offs + s_r, mask=smask, other=0), G_ALIGN)[:, None]  # [BM*BS, 1]
     off = tl.multiple_of(tl.load(src_offs + j_q, mask=jmask, other=0), ALIGN)[:, None]  # [BM*BN, 1]
     same = m_r[:, None] == m_q[None, :]  # [BM*BS, BM*BN]: the blocks of one token
-    dw_acc = tl.full([BM * BS, DH], 0.0, tl.float32)
+    dw_acc = tl.full([BM * BS, DHP], 0.0, tl.float32)
     for tile in range(pid, num_tiles, progs):
         rows_r = tl.cast(tile, tl.int64) * BM + m_r  # token of each row
         rows_q = tl.cast(tile, tl.int64) * BM + m_q
         rmask = smask & (rows_r < M)
         qmask = jmask & (rows_q < M)
-        dr = tl.load(g_base + g_off + rows_r[:, None] * D + col, mask=rmask[:, None], other=0.0)  # [BM*BS, DH]
-        v = tl.load(src_base + off + rows_q[:, None] * D + col, mask=qmask[:, None], other=0.0)  # [BM*BN, DH]
+        dr = tl.load(g_base + g_off + rows_r[:, None] * D + col, mask=rmask[:, None] & cmask, other=0.0)  # [BM*BS, DHP]
+        v = tl.load(src_base + off + rows_q[:, None] * D + col, mask=qmask[:, None] & cmask, other=0.0)  # [BM*BN, DHP]
         sh_r = (s_r.to(tl.int64) * M + rows_r) * H + h  # (site, token, head) of each row
         lse = tl.load(lse_ptr + sh_r, mask=rmask, other=0.0)
         rstd = tl.load(rstd_ptr + j_q.to(tl.int64) * M + rows_q, mask=qmask, other=1.0)[None, :]  # [1, BM*BN]
@@ -842,9 +850,9 @@ def _route_bwd_stats_dot(
             dw_acc = tl.dot(c_lo, v, dw_acc)
     # rows (token, site) summed per site; partial row of (site, this program's share):
     # [progs, n_sites, d], summed by the host
-    dw = tl.reduce(tl.reshape(dw_acc, [BM, BS, DH]), 0, _ADD)  # [BS, DH]
+    dw = tl.reduce(tl.reshape(dw_acc, [BM, BS, DHP]), 0, _ADD)  # [BS, DHP]
     s_1 = tl.arange(0, BS)[:, None]
-    tl.store(dw_ptr + (tl.cast(pid, tl.int64) * n_sites + s_1) * D + col, dw, mask=s_1 < n_sites)
+    tl.store(dw_ptr + (tl.cast(pid, tl.int64) * n_sites + s_1) * D + col, dw, mask=(s_1 < n_sites) & cmask)
 
 
 def _route_bwd_sources_dot(
@@ -854,18 +862,17 @@ def _route_bwd_sources_dot(
     lse_ptr, dsum_ptr, rstd_ptr, t_ptr,
     dsrc_base, dsrc_offs, acc_base, acc_offs, n_acc,
     M, num_tiles, progs,
-    D: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
     ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, DOT_F32: tl.constexpr, ACC: tl.constexpr,
 ):
     # Site-loop backward, pass two, on tensor cores (bf16, after ``_route_bwd_stats_dot`` with
     # STORE_T): the source gradients of ``_route_bwd_sources``,
-    #   dv = alpha^T dR + (ds * rstd)^T W - v rstd^2 t / d,      rows (token, source) [BM*BN, DH]
+    #   dv = alpha^T dR + (ds * rstd)^T W - v rstd^2 t / d,      rows (token, source) [BM*BN, DHP]
     # on the tiles of ``_route_bwd_stats_dot`` (program (p, h): head h of every progs-th tile of
     # BM tokens), recomputing the scores and a = <dr, v> as there (no [S, N, M, H, 2] round trip)
     # and summing t over the heads from the partials pass one stored. The coefficients and W enter
     # as bf16x2 splits (hi * hi + hi * lo + lo * hi); dR and V are bf16 already. With ACC, source
-    # i < n_acc adds acc_base + acc_offs[i] (a gradient sink's sum so far). Not measured on a GPU
-    # yet: off by default (``DOT_SOURCES``).
+    # i < n_acc adds acc_base + acc_offs[i] (a gradient sink's sum so far).
     pid = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.arange(0, BM * BS)  # rows (token, site)
@@ -874,13 +881,14 @@ def _route_bwd_sources_dot(
     m_r = r // BS
     j_q = q % BN
     m_q = q // BN
-    c_1 = tl.arange(0, DH)
-    col = h * DH + c_1[None, :]  # [1, DH]
+    c_1 = tl.arange(0, DHP)
+    col = h * DH + c_1[None, :]  # [1, DHP]
+    cmask = c_1[None, :] < DH  # a head's columns of the width padded to DHP
     smask = s_r < n_sites
     jmask = j_q < n_src
     w_off = s_r[:, None] * D + col
-    w = tl.load(w_ptr + w_off, mask=smask[:, None], other=0.0)  # [BM*BS, DH] bf16 hi
-    w_lo = tl.load(wlo_ptr + w_off, mask=smask[:, None], other=0.0)
+    w = tl.load(w_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)  # [BM*BS, DHP] bf16 hi
+    w_lo = tl.load(wlo_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)
     if DOT_F32:
         w = w.to(tl.float32)
         w_lo = w_lo.to(tl.float32)
@@ -897,8 +905,8 @@ def _route_bwd_sources_dot(
         rows_q = tl.cast(tile, tl.int64) * BM + m_q
         rmask = smask & (rows_r < M)
         qmask = jmask & (rows_q < M)
-        dr = tl.load(g_base + g_off + rows_r[:, None] * D + col, mask=rmask[:, None], other=0.0)  # [BM*BS, DH]
-        v = tl.load(src_base + off + rows_q[:, None] * D + col, mask=qmask[:, None], other=0.0)  # [BM*BN, DH]
+        dr = tl.load(g_base + g_off + rows_r[:, None] * D + col, mask=rmask[:, None] & cmask, other=0.0)  # [BM*BS, DHP]
+        v = tl.load(src_base + off + rows_q[:, None] * D + col, mask=qmask[:, None] & cmask, other=0.0)  # [BM*BN, DHP]
         sh_r = (s_r.to(tl.int64) * M + rows_r) * H + h
         lse = tl.load(lse_ptr + sh_r, mask=rmask, other=0.0)
         dsum = tl.load(dsum_ptr + sh_r, mask=rmask, other=0.0)
@@ -941,8 +949,8 @@ def _route_bwd_sources_dot(
         dv -= v.to(tl.float32) * (rstd * rstd * t / D)[:, None]
         x_off = rows_q[:, None] * D + col
         if ACC:
-            dv += tl.load(acc_base + a_off + x_off, mask=(qmask & amask)[:, None], other=0.0).to(tl.float32)
-        tl.store(dsrc_base + d_off + x_off, dv.to(dsrc_base.dtype.element_ty), mask=qmask[:, None])
+            dv += tl.load(acc_base + a_off + x_off, mask=(qmask & amask)[:, None] & cmask, other=0.0).to(tl.float32)
+        tl.store(dsrc_base + d_off + x_off, dv.to(dsrc_base.dtype.element_ty), mask=qmask[:, None] & cmask)
 
 
 def _route_bwd_sources(
@@ -1513,27 +1521,33 @@ def _backward(
 
 
 
-def _stats_on_dots(n_sites: int, n_src: int, d: int, heads: int, dt: int, gate: Optional[Tensor], has_rstd: bool, dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
+def _stats_on_dots(n_sites: int, n_src: int, d: int, heads: int, gate: Optional[Tensor], has_rstd: bool, dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
     """Whether pass one of the site loop runs on tensor cores (``_route_bwd_stats_dot``): ``DOT_STATS``,
     the replacement form with the key rstd saved, at most ``DOT_MAX_SITES`` sites and
-    ``DOT_MAX_SOURCES`` sources (one tile), a head width that is a power of two from
-    ``DOT_MIN_HEAD_WIDTH`` to ``DOT_MAX_HEAD_WIDTH`` (``tl.dot`` shapes), bf16 sources and
+    ``DOT_MAX_SOURCES`` sources (one tile), a head width from ``DOT_MIN_HEAD_WIDTH`` to
+    ``DOT_MAX_HEAD_WIDTH`` (the kernels pad it to a power of two, ``_dot_width``), bf16 sources and
     gradients (float32 would multiply on the vector units anyway)."""
     dh = d // heads
     return (
-        DOT_STATS and gate is None and has_rstd and dt == 0 and n_sites <= DOT_MAX_SITES and n_src <= DOT_MAX_SOURCES
-        and DOT_MIN_HEAD_WIDTH <= dh <= DOT_MAX_HEAD_WIDTH and dh & (dh - 1) == 0
-        and dtype == torch.bfloat16 and grad_dtype == dtype
+        DOT_STATS and gate is None and has_rstd and n_sites <= DOT_MAX_SITES and n_src <= DOT_MAX_SOURCES
+        and DOT_MIN_HEAD_WIDTH <= dh <= DOT_MAX_HEAD_WIDTH and dtype == torch.bfloat16 and grad_dtype == dtype
     )
+
+
+def _dot_width(head_width: int) -> int:
+    """The head width the tensor-core kernels compute on: the next power of two, at least 16 (the
+    smallest ``tl.dot`` operand); the padding columns are masked off."""
+    return max(16, triton.next_power_of_2(head_width))
 
 
 def _dot_tile(n_sites: int, n_src: int, head_width: int) -> tuple[int, int, int]:
     """(BS, BN, BM) of ``_route_bwd_stats_dot``: sites and sources padded to powers of two, tokens
     per tile so that a tile holds about ``DOT_TILE_ELEMENTS`` elements of (token, source) or
-    (token, site) rows, and sites or sources padded further where a token's rows alone are fewer
-    than 16 (the smallest ``tl.dot`` operand)."""
+    (token, site) rows of the padded head width, at most ``DOT_MAX_ROWS`` rows, and sites or sources
+    padded further where a token's rows alone are fewer than 16 (the smallest ``tl.dot`` operand)."""
     bs, bn = triton.next_power_of_2(n_sites), triton.next_power_of_2(n_src)
-    bm = max(1, DOT_TILE_ELEMENTS // head_width // max(bs, bn))
+    rows = min(DOT_TILE_ELEMENTS // _dot_width(head_width), DOT_MAX_ROWS)
+    bm = max(1, rows // max(bs, bn))
     return max(bs, 16 // bm), max(bn, 16 // bm), bm
 
 
@@ -1582,7 +1596,7 @@ def _backward_site_loop(
     has_rstd = rstd is not None and rstd.numel() > 0
     if has_rstd and tuple(rstd.shape) != (n_src, M):
         raise ValueError(f"triton depth routing: saved rstd has shape {tuple(rstd.shape)}, expected {(n_src, M)}")
-    on_dots = _stats_on_dots(n_sites, n_src, d, heads, dt, gate, has_rstd, like.dtype, grads[0].dtype)
+    on_dots = _stats_on_dots(n_sites, n_src, d, heads, gate, has_rstd, like.dtype, grads[0].dtype)
     both_on_dots = on_dots and DOT_SOURCES  # pass two too: no scores round trip, t's head shares instead
     # s_i and <dr, v_i>_h per site and source, for the vector pass two
     score_a = _new((0,) if both_on_dots else (n_sites, n_src, *lse.shape[1:], 2), torch.float32, device)
@@ -1615,7 +1629,7 @@ def _backward_site_loop(
         w_lo = (w - w_hi.float()).to(torch.bfloat16)
         tiles_dot = triton.cdiv(M, bm_dot)
         dot_flags = dict(
-            D=d, H=heads, DH=d // heads, BS=bs_dot, BN=bn_dot, BM=bm_dot,
+            D=d, H=heads, DH=d // heads, DHP=_dot_width(d // heads), BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), HAS_DLSE=grad_lse is not None,
             DOT_F32=interpret, STORE_SA=not both_on_dots, STORE_T=both_on_dots,
             num_warps=WARPS.get("bwd_stats_dot", DOT_WARPS if bm_dot > 1 else DOT_WARPS_ONE_TOKEN),
@@ -1647,7 +1661,7 @@ def _backward_site_loop(
         _kernel("bwd_stats", interpret)[(per_group * n_groups,)](*stats_args(dw, dgate if gate is not None else w, per_group), **flags)
     if both_on_dots:
         src_flags = dict(
-            D=d, H=heads, BH=triton.next_power_of_2(heads), DH=d // heads, BS=bs_dot, BN=bn_dot, BM=bm_dot,
+            D=d, H=heads, BH=triton.next_power_of_2(heads), DH=d // heads, DHP=_dot_width(d // heads), BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), DOT_F32=interpret, ACC=n_acc > 0,
             num_warps=WARPS.get("bwd_sources_dot", DOT_WARPS if bm_dot > 1 else DOT_WARPS_ONE_TOKEN),
         )

@@ -298,6 +298,7 @@ def site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens
     kernel ran, and the outputs and gradients themselves."""
     monkeypatch.setattr(tr, "DOT_STATS", on_dots)
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)  # small widths here, 128 and up in training
+    monkeypatch.setattr(tr, "DOT_MAX_HEAD_WIDTH", 256)
     monkeypatch.setattr(tr, "DOT_SOURCES", pass_two)
     ran = []
     decide = tr._stats_on_dots
@@ -328,6 +329,7 @@ DOT_CPU = [
     (1, 3, 4, 64, 37, torch.bfloat16), (9, 8, 8, 256, 19, torch.bfloat16), (17, 8, 4, 128, 23, torch.bfloat16),
     (33, 16, 2, 64, 5, torch.bfloat16), (2, 2, 1, 32, 30, torch.bfloat16), (9, 1, 8, 512, 7, torch.bfloat16),
     (41, 8, 1, 32, 9, torch.bfloat16), (9, 8, 1, 128, 5, torch.bfloat16),
+    (9, 6, 2, 96, 13, torch.bfloat16), (5, 3, 1, 160, 11, torch.bfloat16),  # head widths 48 and 160, padded
 ]
 
 
@@ -440,7 +442,7 @@ def spy_launches(monkeypatch) -> list[str]:
 
 
 # the lighter pass-one cases, one site, and a head count that is not a power of two (width 32)
-DOT_PASS_TWO = [(*c, True) for c in DOT_CPU[:6]] + [(9, 3, 3, 96, 13, torch.bfloat16, True), (9, 4, 2, 64, 11, torch.bfloat16, False)]
+DOT_PASS_TWO = [(*c, True) for c in DOT_CPU[:6] + DOT_CPU[-2:]] + [(9, 3, 3, 96, 13, torch.bfloat16, True), (9, 4, 2, 64, 11, torch.bfloat16, False)]
 
 
 @pytest.mark.parametrize(
@@ -528,22 +530,24 @@ def test_pass_two_on_tensor_cores_adds_into_the_gradient_sink(monkeypatch):
 
 def test_pass_one_on_tensor_cores_only_where_it_applies():
     """The tensor-core kernel takes the replacement form with the key rstd saved, at most 16 sites and
-    64 sources, a head width of 128 (DOT_MIN_HEAD_WIDTH; 64 was slower in training), bf16; anything
-    else keeps the vector kernel. Its tiles hold at least 16 rows of each operand and about DOT_TILE_ELEMENTS
-    elements."""
-    ok = dict(n_sites=8, n_src=41, d=1024, heads=8, dt=0, gate=None, has_rstd=True, dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
+    64 sources, a head width of 128 (DOT_MIN_HEAD_WIDTH and DOT_MAX_HEAD_WIDTH; 64 was slower in
+    training), bf16; anything else keeps the vector kernel. Its tiles hold at least 16 rows of each
+    operand, about DOT_TILE_ELEMENTS elements of the padded head width and at most DOT_MAX_ROWS rows."""
+    ok = dict(n_sites=8, n_src=41, d=1024, heads=8, gate=None, has_rstd=True, dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
     assert tr._stats_on_dots(**ok)
     for change in (
         dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(n_src=65), dict(heads=1), dict(d=96, heads=8), dict(d=512, heads=8),
-        dict(d=1280, dt=32), dict(d=64, heads=8), dict(dtype=torch.float16, grad_dtype=torch.float16),
+        dict(d=1280), dict(d=64, heads=8), dict(dtype=torch.float16, grad_dtype=torch.float16),
         dict(dtype=torch.float32, grad_dtype=torch.float32), dict(grad_dtype=torch.float32),
     ):
         assert not tr._stats_on_dots(**{**ok, **change}), change
-    for sites, n, width in itertools.product((1, 3, 8, 16), (1, 2, 9, 41, 64), (16, 64, 128)):
+    assert [tr._dot_width(w) for w in (8, 16, 48, 128, 160)] == [16, 16, 64, 128, 256]
+    for sites, n, width in itertools.product((1, 3, 8, 16), (1, 2, 9, 41, 64), (16, 48, 64, 128, 160)):
         bs, bn, bm = tr._dot_tile(sites, n, width)
         assert bs >= sites and bn >= n and bm * bs >= 16 and bm * bn >= 16, (sites, n, bs, bn, bm)
         one_token = max(16, triton.next_power_of_2(sites), triton.next_power_of_2(n))
-        assert bm * max(bs, bn) <= max(tr.DOT_TILE_ELEMENTS // width, one_token), (sites, n, width, bm, bs, bn)
+        rows = min(tr.DOT_TILE_ELEMENTS // tr._dot_width(width), tr.DOT_MAX_ROWS)
+        assert bm * max(bs, bn) <= max(rows, one_token), (sites, n, width, bm, bs, bn)
 
 
 def test_saved_rstd_only_when_a_backward_will_run():
