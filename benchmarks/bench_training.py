@@ -69,14 +69,17 @@ KNOBS = {
     "bwd4096": {(TR, "TILE_ELEMENTS", "bwd"): 4096, (TR, "ELEMENTS_PER_THREAD", "bwd"): 16},  # the former two-pass tiles (replacement form; the additive form's kind is "bwd_add")
     "bwd1024": {(TR, "TILE_ELEMENTS", "bwd"): 1024},  # two-pass tiles of half the tokens (8 elements per thread: 4 warps; replacement form)
     "grid32": {(TR, "OCCUPANCY_GRIDS"): frozenset()},  # persistent backward grids of 32 warps per SM, not sized by registers
-    "occ-stats": {(TR, "OCCUPANCY_GRIDS"): frozenset({"bwd", "bwd_stats", "bwd_stats_dot", "bwd_sources_dot"})},  # the vector pass one sized too
+    "occ-stats": {(TR, "OCCUPANCY_GRIDS"): frozenset({"bwd", "bwd_stats", "fwd_sites_dot", "bwd_stats_dot", "bwd_sources_dot"})},  # the vector pass one sized too
     "vector-stats": {(TR, "DOT_STATS"): False},  # pass one of the site loop on the vector kernel, not tensor cores
     "dot-w4": {(TR, "DOT_WARPS"): 4},  # pass one on tensor cores: 4 warps per program (default 2)
     "dot-w2-one-token": {(TR, "DOT_WARPS_ONE_TOKEN"): 2},  # 2 warps where a tile holds one token (default 4)
     "dots-at-64": {(TR, "DOT_MIN_HEAD_WIDTH"): 64},  # pass one on tensor cores at head width 64 too (100m)
     "dot-sources": {(TR, "DOT_SOURCES"): True},  # pass two on tensor cores too: the default since the eleventh set (BENCHMARKS.md)
+    "vector-fwd": {(TR, "DOT_FWD"): False},  # phase one's forward on the vector kernel, not tensor cores
+    "fwd-at-64": {(TR, "DOT_FWD_MIN_HEAD_WIDTH"): 64},  # phase one's forward on tensor cores at head width 64 too (100m)
     "vector-sources": {(TR, "DOT_SOURCES"): False},  # pass two of the site loop on the vector kernel (pass one on tensor cores)
-    "dots-at-160": {(TR, "DOT_MAX_HEAD_WIDTH"): 160},  # both passes on tensor cores at head width 160 too (1b), padded to 256
+    "dots-at-160": {(TR, "DOT_MAX_HEAD_WIDTH"): 160},  # tensor cores at head width 160 (1b, padded to 256): the default since the eleventh set
+    "vector-at-160": {(TR, "DOT_MAX_HEAD_WIDTH"): 128},  # 1b's head width 160 on the vector kernels (the tenth set's code)
     "dot-tile8192": {(TR, "DOT_TILE_ELEMENTS"): 8192},  # tiles of twice the (token, source) rows
     "pad": {(TR, "SPLIT_WIDTH"): False},  # head widths padded to a power of two, not split in two tiles
     "bwd8w": {(TR, "WARPS", "bwd"): 8},  # the replacement form's two-pass backward on 8 warps whatever its tile

@@ -185,7 +185,10 @@ DOT_PROGRAMS_PER_SM = 16
 DOT_MAX_SITES = 16
 DOT_MAX_SOURCES = 64
 DOT_MIN_HEAD_WIDTH = 128
-DOT_MAX_HEAD_WIDTH = 128
+# 1b's 160, padded to 256: pass one measured faster in training (full MHAR 0.643 against 0.610 x
+# prenorm, block MHAR 0.928 against 0.921), pass two slower there (both passes: 0.605 and 0.894), so
+# pass two takes only widths that need no padding (``_sources_on_dots``). BENCHMARKS.md, eleventh set.
+DOT_MAX_HEAD_WIDTH = 160
 # Rows of either operand of a tile at most: the products [BM*BS, BM*BN] grow as the square of the
 # tokens per tile, and at head width 16 pass two's tile of 256 rows asked an H200 for 299 KB of shared
 # memory (232 KB there). From head width 64 up, DOT_TILE_ELEMENTS alone keeps tiles within it.
@@ -196,6 +199,11 @@ DOT_MAX_ROWS = 64
 # in training full MHAR 0.799 against 0.761 x prenorm and Delta full 0.743 against 0.712, block
 # MHAR 0.965 against 0.968. A benchmark knob (``vector-sources``).
 DOT_SOURCES = True
+# Phase one's forward on tensor cores too (``_route_fwd_sites_dot``, where ``_fwd_on_dots`` holds),
+# each source read for all the pass's sites at once, from head width DOT_FWD_MIN_HEAD_WIDTH up to
+# DOT_MAX_HEAD_WIDTH. Benchmark knobs (``vector-fwd``, ``fwd-at-64``).
+DOT_FWD = True
+DOT_FWD_MIN_HEAD_WIDTH = 128
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -747,6 +755,89 @@ def _route_bwd_stats(
             tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col_t, dgate_acc_t, mask=h_i < H)
 
 
+def _route_fwd_sites_dot(
+    src_base, src_offs, n_src,
+    w_ptr, wlo_ptr, n_sites,
+    out_base, out_offs,
+    lse_ptr, rstd_ptr,
+    M, eps, num_tiles, progs,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+    ALIGN: tl.constexpr, STORE_RSTD: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # Phase one forward on tensor cores (bf16 sources, replacement form, no prior): the outputs of
+    # ``_route_fwd`` for all S <= BS sites of a pass, with every N <= BN source of a token in one
+    # tile (``_dot_tile``'s tiles, as in ``_route_bwd_stats_dot``). Program p takes token tiles p,
+    # p + progs, ... and, per tile, first sums each (token, source) row's squares over the whole
+    # width (the key rstd), then per head h forms
+    #   sc = rstd * W V^T,  alpha = softmax over the row's own token,  out = alpha V     [BM*BS, DHP]
+    # with W = q * g and alpha as bf16x2 splits (hi + lo). Each source is read once per pass for all
+    # sites (twice per tile: the second read, per head, mostly from L2), where the vector kernel
+    # reads it once per FWD_SITES sites. Products across tokens are masked with where, and the
+    # values enter alpha V with non-finite entries zeroed: alpha is 0 for other tokens' rows, and
+    # 0 * inf would spread an inf to every token of the tile; a token whose own source holds one gets
+    # a non-finite score, so its outputs are non-finite as on the vector kernel.
+    pid = tl.program_id(0)
+    r = tl.arange(0, BM * BS)  # rows (token, site)
+    q = tl.arange(0, BM * BN)  # rows (token, source)
+    s_r = r % BS
+    m_r = r // BS
+    j_q = q % BN
+    m_q = q // BN
+    c_1 = tl.arange(0, DHP)
+    cmask = c_1[None, :] < DH  # a head's columns of the width padded to DHP
+    smask = s_r < n_sites
+    jmask = j_q < n_src
+    off = tl.multiple_of(tl.load(src_offs + j_q, mask=jmask, other=0), ALIGN)[:, None]  # [BM*BN, 1]
+    o_off = tl.load(out_offs + s_r, mask=smask, other=0)[:, None]  # [BM*BS, 1]
+    same = m_r[:, None] == m_q[None, :]  # [BM*BS, BM*BN]: the blocks of one token
+    for tile in range(pid, num_tiles, progs):
+        rows_r = tl.cast(tile, tl.int64) * BM + m_r
+        rows_q = tl.cast(tile, tl.int64) * BM + m_q
+        rmask = smask & (rows_r < M)
+        qmask = jmask & (rows_q < M)
+        sq = tl.full([BM * BN], 0.0, tl.float32)
+        for h in range(H):
+            v = tl.load(src_base + off + rows_q[:, None] * D + h * DH + c_1[None, :], mask=qmask[:, None] & cmask, other=0.0).to(tl.float32)
+            sq += tl.reduce(v * v, 1, _ADD)
+        rstd = 1.0 / tl.sqrt(sq / D + eps)  # [BM*BN]
+        if STORE_RSTD:  # [N, M] float32 for the site loop's backward
+            tl.store(rstd_ptr + j_q.to(tl.int64) * M + rows_q, rstd, mask=qmask)
+        live = same & rmask[:, None] & qmask[None, :]
+        for h in range(H):
+            col = h * DH + c_1[None, :]  # [1, DHP]
+            w_off = s_r[:, None] * D + col
+            w = tl.load(w_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)  # [BM*BS, DHP] bf16: W's hi half
+            w_lo = tl.load(wlo_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)
+            v = tl.load(src_base + off + rows_q[:, None] * D + col, mask=qmask[:, None] & cmask, other=0.0)  # [BM*BN, DHP]
+            if DOT_F32:
+                w = w.to(tl.float32)
+                w_lo = w_lo.to(tl.float32)
+                v = v.to(tl.float32)
+            vt = tl.trans(v)
+            if DOT_F32:
+                sc = tl.dot(w, vt, input_precision="ieee")
+                sc = tl.dot(w_lo, vt, sc, input_precision="ieee")
+            else:
+                sc = tl.dot(w, vt)
+                sc = tl.dot(w_lo, vt, sc)
+            sc = sc * rstd[None, :]
+            m = tl.reduce(tl.where(live, sc, float("-inf")), 1, _MAX)  # [BM*BS]
+            p = tl.where(live, tl.exp(sc - m[:, None]), 0.0)
+            l = tl.reduce(p, 1, _ADD)
+            tl.store(lse_ptr + (s_r.to(tl.int64) * M + rows_r) * H + h, m + tl.log(l), mask=rmask)
+            alpha = p / tl.where(l > 0, l, 1.0)[:, None]
+            a_hi = alpha.to(tl.bfloat16)
+            a_lo = (alpha - a_hi.to(tl.float32)).to(tl.bfloat16)
+            v = tl.where(tl.abs(v) < float("inf"), v, 0.0)  # other tokens' rows meet alpha = 0
+            if DOT_F32:
+                out = tl.dot(a_hi.to(tl.float32), v, input_precision="ieee")
+                out = tl.dot(a_lo.to(tl.float32), v, out, input_precision="ieee")
+            else:
+                out = tl.dot(a_hi, v)
+                out = tl.dot(a_lo, v, out)
+            tl.store(out_base + o_off + rows_r[:, None] * D + col, out.to(out_base.dtype.element_ty), mask=rmask[:, None] & cmask)
+
+
 def _route_bwd_stats_dot(
     src_base, src_offs, n_src,
     w_ptr, wlo_ptr, n_sites,
@@ -1197,7 +1288,7 @@ def _kernel(name: str, interpret: bool):
     """
     fn = {
         "fwd": _route_fwd, "bwd": _route_bwd, "bwd_stats": _route_bwd_stats, "bwd_sources": _route_bwd_sources,
-        "bwd_stats_dot": _route_bwd_stats_dot, "bwd_sources_dot": _route_bwd_sources_dot,
+        "fwd_sites_dot": _route_fwd_sites_dot, "bwd_stats_dot": _route_bwd_stats_dot, "bwd_sources_dot": _route_bwd_sources_dot,
         "decode": _decode_route_norm,
     }[name]
     if interpret:
@@ -1221,7 +1312,7 @@ _RESIDENT_FALLBACKS: dict = {}  # configurations whose registers could not be re
 # routing's 8-site passes 1.6x slower (52.5 against 33.1 ms per step), so it stays off for that
 # kernel. The tensor-core kernels of the site loop take one wave too (their programs stride over
 # the token tiles; not compared with other grids). A benchmark knob.
-OCCUPANCY_GRIDS = frozenset({"bwd", "bwd_stats_dot", "bwd_sources_dot"})
+OCCUPANCY_GRIDS = frozenset({"bwd", "fwd_sites_dot", "bwd_stats_dot", "bwd_sources_dot"})
 
 
 def _resident_programs(name: str, device: torch.device, args: tuple, kwargs: dict) -> int:
@@ -1386,6 +1477,23 @@ def _forward(
     store_rstd = bool(save_rstd) and n_src > 0
     rstd = _new((n_src, M) if store_rstd else (0,), torch.float32, like.device)
     dummy = w
+    if _fwd_on_dots(n_sites, n_src, d, heads, stream, prior_out, store_scores, norm_weight, like.dtype):
+        # phase one on tensor cores: program p takes every progs-th tile of tokens, all heads
+        bs_dot, bn_dot, bm_dot = _dot_tile(n_sites, n_src, d // heads)
+        w_hi = w.to(torch.bfloat16)
+        w_lo = (w - w_hi.float()).to(torch.bfloat16)
+        tiles = triton.cdiv(M, bm_dot)
+        flags = dict(
+            D=d, H=heads, DH=d // heads, DHP=_dot_width(d // heads), BS=bs_dot, BN=bn_dot, BM=bm_dot, ALIGN=16 // base.element_size(),
+            STORE_RSTD=store_rstd, DOT_F32=interpret, num_warps=WARPS.get("fwd_sites_dot", DOT_WARPS if bm_dot > 1 else DOT_WARPS_ONE_TOKEN),
+        )
+
+        def args(progs: int) -> tuple:
+            return (base, _offsets(srcs, base), n_src, w_hi, w_lo, n_sites, outs[0], _offsets(outs, outs[0]), lse, rstd if store_rstd else dummy, M, eps, tiles, progs)
+
+        progs = _dot_programs("fwd_sites_dot", like.device, tiles, 1, args, flags)
+        _kernel("fwd_sites_dot", interpret)[(progs,)](*args(progs), **flags)
+        return [*outs, lse, scores, rstd]
     _kernel("fwd", interpret)[(triton.cdiv(M, bm) * (n_sites // group),)](
         base, _offsets(srcs, base), n_src,
         w, n_sites,
@@ -1534,6 +1642,40 @@ def _stats_on_dots(n_sites: int, n_src: int, d: int, heads: int, gate: Optional[
     )
 
 
+def _fwd_on_dots(
+    n_sites: int, n_src: int, d: int, heads: int, stream: Optional[Tensor], prior_out: Optional[Tensor], store_scores: bool,
+    norm_weight: Optional[Tensor], dtype: torch.dtype,
+) -> bool:
+    """Whether a forward runs on tensor cores (``_route_fwd_sites_dot``): ``DOT_FWD``, a phase-one
+    pass (at least ``SITE_LOOP_MIN_SITES`` sites, the replacement form, no prior, no fused norm, no
+    stored scores) over at most ``DOT_MAX_SITES`` sites and ``DOT_MAX_SOURCES`` sources, bf16
+    sources, and a head width from ``DOT_FWD_MIN_HEAD_WIDTH`` to ``DOT_MAX_HEAD_WIDTH``."""
+    dh = d // heads
+    return (
+        DOT_FWD and SITE_LOOP_MIN_SITES <= n_sites <= DOT_MAX_SITES and 0 < n_src <= DOT_MAX_SOURCES
+        and stream is None and prior_out is None and not store_scores and norm_weight is None
+        and DOT_FWD_MIN_HEAD_WIDTH <= dh <= DOT_MAX_HEAD_WIDTH and dtype == torch.bfloat16
+    )
+
+
+def _sources_on_dots(d: int, heads: int) -> bool:
+    """Whether pass two of the site loop runs on tensor cores where pass one does: ``DOT_SOURCES``
+    and a head width that is a power of two (a padded one measured slower, at 1b)."""
+    return DOT_SOURCES and _dot_width(d // heads) == d // heads
+
+
+def _dot_programs(name: str, device: torch.device, tiles: int, heads: int, args, flags: dict) -> int:
+    """Programs per head of a tensor-core kernel's grid: one wave (at most ``DOT_PROGRAMS_PER_SM``
+    per SM), each striding over the token tiles; two in the interpreter. ``args(programs)`` gives the
+    launch arguments; the registers are read from a compile for as many programs as SMs (Triton
+    specialises a count of 1)."""
+    if device.type != "cuda":
+        return min(tiles, 2)
+    sms = _sm_count(device.index or 0)
+    resident = min(DOT_PROGRAMS_PER_SM, _resident_programs(name, device, args(sms), flags))
+    return min(tiles, max(1, sms * resident // heads))
+
+
 def _dot_width(head_width: int) -> int:
     """The head width the tensor-core kernels compute on: the next power of two, at least 16 (the
     smallest ``tl.dot`` operand); the padding columns are masked off."""
@@ -1597,7 +1739,7 @@ def _backward_site_loop(
     if has_rstd and tuple(rstd.shape) != (n_src, M):
         raise ValueError(f"triton depth routing: saved rstd has shape {tuple(rstd.shape)}, expected {(n_src, M)}")
     on_dots = _stats_on_dots(n_sites, n_src, d, heads, gate, has_rstd, like.dtype, grads[0].dtype)
-    both_on_dots = on_dots and DOT_SOURCES  # pass two too: no scores round trip, t's head shares instead
+    both_on_dots = on_dots and _sources_on_dots(d, heads)  # pass two too: no scores round trip, t's head shares instead
     # s_i and <dr, v_i>_h per site and source, for the vector pass two
     score_a = _new((0,) if both_on_dots else (n_sites, n_src, *lse.shape[1:], 2), torch.float32, device)
     t_part = _new((n_src, M, heads) if both_on_dots else (0,), torch.float32, device)
@@ -1641,16 +1783,7 @@ def _backward_site_loop(
                 dsum, dw, score_a, rstd, t_part, M, tiles_dot, progs,
             )
 
-        def dot_programs(name: str, args, flags_) -> int:
-            if interpret:
-                return min(tiles_dot, 2)
-            # one wave of programs, each striding over the tiles; the registers are read from a
-            # compile for as many programs as SMs (Triton specialises a count of 1)
-            sms = _sm_count(device.index or 0)
-            resident = min(DOT_PROGRAMS_PER_SM, _resident_programs(name, device, args(sms), flags_))
-            return min(tiles_dot, max(1, sms * resident // heads))
-
-        progs = dot_programs("bwd_stats_dot", lambda p: dot_args(w, p), dot_flags)
+        progs = _dot_programs("bwd_stats_dot", device, tiles_dot, heads, lambda p: dot_args(w, p), dot_flags)
         dw = _new((progs * n_sites, d), torch.float32, device)
         dgate = _new((0,), torch.float32, device)
         per_group = progs
@@ -1672,7 +1805,7 @@ def _backward_site_loop(
                 targets[0], _offsets(targets, targets[0]), addends[0], _offsets(addends, addends[0]), n_acc, M, tiles_dot, progs,
             )
 
-        progs2 = dot_programs("bwd_sources_dot", src_args, src_flags)
+        progs2 = _dot_programs("bwd_sources_dot", device, tiles_dot, heads, src_args, src_flags)
         _kernel("bwd_sources_dot", interpret)[(progs2, heads)](*src_args(progs2), **src_flags)
     else:
         _kernel("bwd_sources", interpret)[(triton.cdiv(M, bm_src) * n_src,)](

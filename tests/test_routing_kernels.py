@@ -297,7 +297,9 @@ def site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens
     with an lse gradient unless ``with_dlse`` is False) against float64, whether the tensor-core
     kernel ran, and the outputs and gradients themselves."""
     monkeypatch.setattr(tr, "DOT_STATS", on_dots)
+    monkeypatch.setattr(tr, "DOT_FWD", on_dots)
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)  # small widths here, 128 and up in training
+    monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_MAX_HEAD_WIDTH", 256)
     monkeypatch.setattr(tr, "DOT_SOURCES", pass_two)
     ran = []
@@ -364,6 +366,7 @@ def test_pass_one_on_tensor_cores_stores_what_the_vector_kernel_stores(monkeypat
     would hide a small error in them): the scores, <dr, v> and D of the tensor-core kernel against
     the vector kernel's, with and without an lse gradient."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_SOURCES", False)
     kernel = tr._kernel
     seen = {}
@@ -396,6 +399,7 @@ def test_site_loop_on_tensor_cores_is_deterministic(monkeypatch, pass_two):
     """The tensor-core kernels (no atomics; per-program partials summed in a fixed order) give
     bit-identical gradients in two runs, over a grid where programs stride over several tiles."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_SOURCES", pass_two)
     runs = [site_loop_on_tensor_cores_vs_float64(monkeypatch, 9, 3, 4, 64, 45, torch.bfloat16, pass_two=pass_two)[2] for _ in range(2)]
     assert tr._dot_tile(3, 9, 16)[2] * 2 < 45  # two programs (the interpreter's grid), several tiles each
@@ -410,6 +414,7 @@ def test_site_loop_on_tensor_cores_keeps_a_non_finite_value_to_its_token(monkeyp
     kernel, but not those of the other tokens sharing its tile (products across tokens are masked
     with where, not multiplied by a zero weight), with pass one or both passes on tensor cores."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_SOURCES", pass_two)
     g = torch.Generator().manual_seed(8)
     srcs = [torch.randn(16, 32, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
@@ -455,6 +460,7 @@ def test_pass_two_on_tensor_cores_matches_float64_reference(monkeypatch, n, site
     kernel ran; outputs, lse and every gradient against float64 within the bf16 tolerance; the
     source gradients within rounding of the vector pass two's."""
     launched = spy_launches(monkeypatch)
+    monkeypatch.setattr(tr, "_sources_on_dots", lambda d, heads: tr.DOT_SOURCES)  # padded widths too (the kernel takes them)
     errs, ran, got = site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, pass_two=True, with_dlse=with_dlse)
     assert ran and "bwd_sources_dot" in launched and "bwd_sources" not in launched, launched
     assert max(errs) < TOL[dtype], errs
@@ -472,6 +478,7 @@ def test_pass_two_on_tensor_cores_adds_into_sink_slots_and_only_there(monkeypatc
     from lit_mhar.kernels.sink import GradientSink
 
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
     launched = spy_launches(monkeypatch)
     d, heads, tokens = 96, 3, 13
     g = torch.Generator().manual_seed(12)
@@ -508,6 +515,7 @@ def test_pass_two_on_tensor_cores_adds_into_the_gradient_sink(monkeypatch):
     holds (``ACC``): a model with block routing gives the same gradients with both passes on
     tensor cores as with the vector kernels."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
     launched = []
     kernel = tr._kernel
     monkeypatch.setattr(tr, "_kernel", lambda name, interpret: launched.append(name) or kernel(name, interpret))
@@ -528,20 +536,91 @@ def test_pass_two_on_tensor_cores_adds_into_the_gradient_sink(monkeypatch):
         assert rel_err(grads_d[name], grads_v[name]) < 2e-2, name
 
 
+# phase-one passes (two sites or more) of DOT_CPU, and head widths 48 and 160 (padded)
+DOT_FWD_CASES = [c for c in DOT_CPU if c[1] >= 2]
+
+
+@pytest.mark.parametrize(
+    "n,sites,heads,d,tokens,dtype", DOT_FWD_CASES,
+    ids=[f"N{c[0]}-S{c[1]}-H{c[2]}-d{c[3]}-T{c[4]}" for c in DOT_FWD_CASES],
+)
+def test_phase_one_forward_on_tensor_cores_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype):
+    """Phase one's forward on tensor cores (``_route_fwd_sites_dot``): the kernel ran; every site's
+    output, the lse and the saved key rstd against float64 (the outputs within the bf16 tolerance,
+    lse and rstd as float32 values, up to the bf16x2 split of the weights); the outputs within
+    rounding of the vector kernel's."""
+    monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_MAX_HEAD_WIDTH", 256)
+    launched = spy_launches(monkeypatch)
+    g = torch.Generator().manual_seed(200 + n + sites + d)
+    shape = (tokens, d) if tokens % 2 else (2, tokens // 2, d)
+    srcs = [(torch.randn(shape, generator=g) * (0.5 + i % 3)).to(DEVICE, dtype) for i in range(n)]
+    queries = (2.0 * (heads / d) ** 0.5 * torch.randn(sites, d, generator=g)).to(DEVICE)
+    gains = (1 + 0.3 * torch.randn(sites, d, generator=g)).to(DEVICE)
+    runs = {}
+    for on_dots in (True, False):
+        monkeypatch.setattr(tr, "DOT_FWD", on_dots)
+        launched.clear()
+        runs[on_dots] = tr._forward(srcs, queries, gains, heads, 1e-6, None, None, None, None, False, save_rstd=True)
+        assert ("fwd_sites_dot" in launched) == on_dots and ("fwd" in launched) != on_dots, launched
+    got = runs[True]
+    ref_outs, ref_lse = reference.route_sites([x.double() for x in srcs], queries.double(), gains.double(), heads)
+    for o, r in zip(got[:sites], ref_outs):
+        assert rel_err(o, r) < TOL[dtype]
+    assert rel_err(got[sites], ref_lse) < 1e-5
+    rstd64 = torch.stack([x.double().square().mean(-1).add(1e-6).rsqrt().flatten() for x in srcs])
+    assert rel_err(got[sites + 2], rstd64) < 1e-6
+    for o, v in zip(got[:sites], runs[False][:sites]):
+        assert bf16_flips(o, v) < 0.05, bf16_flips(o, v)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy, computing with the inf
+def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token(monkeypatch):
+    """An inf in one token of one source makes that token's outputs non-finite, as on the vector
+    kernel, and leaves the other tokens of its tile finite and equal to a run without the inf."""
+    monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "POISON_OUTPUTS", False)
+    launched = spy_launches(monkeypatch)
+    g = torch.Generator().manual_seed(9)
+    srcs = [torch.randn(16, 32, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
+    queries, gains = (0.3 * torch.randn(2, 32, generator=g)).to(DEVICE), torch.ones(2, 32, device=DEVICE)
+    clean = tr._forward(srcs, queries, gains, 2, 1e-6, None, None, None, None, False)
+    srcs[1][5, 3] = float("inf")
+    outs = tr._forward(srcs, queries, gains, 2, 1e-6, None, None, None, None, False)
+    assert "fwd_sites_dot" in launched and tr._dot_tile(2, 3, 16)[2] > 5  # several tokens per tile
+    for k in range(2):
+        assert not torch.isfinite(outs[k][5]).all()
+        others = torch.cat([outs[k][:5], outs[k][6:]])
+        assert torch.equal(others, torch.cat([clean[k][:5], clean[k][6:]]))
+
+
 def test_pass_one_on_tensor_cores_only_where_it_applies():
     """The tensor-core kernel takes the replacement form with the key rstd saved, at most 16 sites and
-    64 sources, a head width of 128 (DOT_MIN_HEAD_WIDTH and DOT_MAX_HEAD_WIDTH; 64 was slower in
-    training), bf16; anything else keeps the vector kernel. Its tiles hold at least 16 rows of each
+    64 sources, a head width from 128 to 160 (DOT_MIN_HEAD_WIDTH and DOT_MAX_HEAD_WIDTH; 64 was slower
+    in training), bf16; anything else keeps the vector kernel. Pass two takes unpadded widths only. Its tiles hold at least 16 rows of each
     operand, about DOT_TILE_ELEMENTS elements of the padded head width and at most DOT_MAX_ROWS rows."""
     ok = dict(n_sites=8, n_src=41, d=1024, heads=8, gate=None, has_rstd=True, dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
     assert tr._stats_on_dots(**ok)
     for change in (
         dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(n_src=65), dict(heads=1), dict(d=96, heads=8), dict(d=512, heads=8),
-        dict(d=1280), dict(d=64, heads=8), dict(dtype=torch.float16, grad_dtype=torch.float16),
+        dict(d=2048), dict(d=64, heads=8), dict(dtype=torch.float16, grad_dtype=torch.float16),
         dict(dtype=torch.float32, grad_dtype=torch.float32), dict(grad_dtype=torch.float32),
     ):
         assert not tr._stats_on_dots(**{**ok, **change}), change
     assert [tr._dot_width(w) for w in (8, 16, 48, 128, 160)] == [16, 16, 64, 128, 256]
+    # the forward: phase-one passes of two sites or more, without a prior, stream, norm or stored scores
+    fwd = dict(n_sites=8, n_src=41, d=1024, heads=8, stream=None, prior_out=None, store_scores=False, norm_weight=None, dtype=torch.bfloat16)
+    assert tr._fwd_on_dots(**fwd)
+    for change in (
+        dict(n_sites=1), dict(n_sites=17), dict(n_src=0), dict(n_src=65), dict(stream=torch.ones(1)), dict(prior_out=torch.ones(1)),
+        dict(store_scores=True), dict(norm_weight=torch.ones(1)), dict(d=512), dict(d=2048), dict(dtype=torch.float32),
+    ):
+        assert not tr._fwd_on_dots(**{**fwd, **change}), change
+    # 1b's head width 160 (padded to 256): the forward and pass one, not pass two
+    assert tr._stats_on_dots(**{**ok, "d": 1280}) and tr._fwd_on_dots(**{**fwd, "d": 1280})
+    assert tr._sources_on_dots(1024, 8) and not tr._sources_on_dots(1280, 8) and not tr._sources_on_dots(384, 8)
     for sites, n, width in itertools.product((1, 3, 8, 16), (1, 2, 9, 41, 64), (16, 48, 64, 128, 160)):
         bs, bn, bm = tr._dot_tile(sites, n, width)
         assert bs >= sites and bn >= n and bm * bs >= 16 and bm * bn >= 16, (sites, n, bs, bn, bm)
