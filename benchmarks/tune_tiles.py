@@ -131,9 +131,13 @@ def main(argv=None):
 
         shapes = [(f"phase1-N8-S{S}-H8", 8, S, 8), (f"phase1-N8-S{S}-H1", 8, S, 1), (f"full-N{2 * layers + 1}-S1-H8", 2 * layers + 1, 1, 8),
                   ("merge-N1-H8", 1, 1, 8), ("merge-N1-H8-additive", 1, 1, 8), ("merge-N4-H8", 4, 1, 8)]
+        # the vector kernels' tiles: the tensor-core kernels off while these families run
+        vector_only = {k: getattr(tr, k) for k in ("DOT_FWD", "DOT_STATS", "DOT_SOURCES")}
         for name, n, sites, heads in shapes:
             if name.split("-")[0] not in families:
                 continue
+            for k in vector_only:
+                setattr(tr, k, False)
             if name.startswith("merge"):
                 build, data, configs_by_kind = merge_runner, make_merge(M, d, n, heads, name.endswith("additive")), MERGE_CONFIGS
                 bench = lambda fn: do_bench_cudagraph(fn, rep=50, return_mode="median")  # noqa: E731
@@ -168,12 +172,15 @@ def main(argv=None):
             del data, fwd, bwd, ref_out, ref_grads
             tr.TILE_ELEMENTS.update(defaults[0])
             tr.WARPS.clear()
+            for k, v in vector_only.items():
+                setattr(tr, k, v)
             torch.cuda.empty_cache()
 
         # the site loop on tensor cores against the vector kernels: the whole backward of phase one,
         # block routing's pass and full routing's groups of 8 sites. "dots": pass one by warps (set
         # for the kind whatever the tile) and elements per tile; "passes": pass one, then both passes.
-        # The tensor-core kernels take any head width here up to 256 (1b's 160 padded to 256).
+        # The tensor-core kernels take any head width here up to 256 (1b's 160 padded to 256), pass
+        # two too (``DOT_SOURCES_PADDED``).
         dot_shapes = [(f"dots-N8-S{S}-H8", 8, S), ("dots-N9-S8-H8", 9, 8), (f"dots-N{2 * layers - 7}-S8-H8", 2 * layers - 7, 8)]
         vector = dict(DOT_STATS=False, DOT_SOURCES=False)
         dot_configs = {
@@ -183,13 +190,13 @@ def main(argv=None):
             ],
             "passes": [
                 (dict(kind="vector"), vector), (dict(kind="pass-one-dots"), dict(DOT_STATS=True, DOT_SOURCES=False, DOT_MAX_HEAD_WIDTH=256)),
-                (dict(kind="both-dots"), dict(DOT_STATS=True, DOT_SOURCES=True, DOT_MAX_HEAD_WIDTH=256)),
+                (dict(kind="both-dots"), dict(DOT_STATS=True, DOT_SOURCES=True, DOT_SOURCES_PADDED=True, DOT_MAX_HEAD_WIDTH=256)),
             ],
         }
         for family, configs in dot_configs.items():
             for name, n, sites in dot_shapes if family in families else ():
                 data = make(M, d, n, sites, 8, seed=n)
-                saved = {k: getattr(tr, k) for k in ("DOT_STATS", "DOT_SOURCES", "DOT_MAX_HEAD_WIDTH", "DOT_TILE_ELEMENTS", "WARPS")}
+                saved = {k: getattr(tr, k) for k in ("DOT_STATS", "DOT_SOURCES", "DOT_SOURCES_PADDED", "DOT_MAX_HEAD_WIDTH", "DOT_TILE_ELEMENTS", "WARPS")}
                 for k, v in vector.items():
                     setattr(tr, k, v)
                 _, bwd = runner(*data, 8)

@@ -42,11 +42,12 @@ The site-loop kernels (``_route_bwd_stats`` then ``_route_bwd_sources``: several
 site over many sources) hold one site's gradient at a time (``STATS_SITES``): the first runs one
 program per (site, range of tiles) and also stores every ``s_i`` and ``<dr, v_i>_h``
 (``[S, N, M, H, 2]`` float32), the second one program per (tile, source) with the sites in its
-loop. Where the sources are bf16 with a head width of 128 and the key rstd saved, the first of them
-is ``_route_bwd_stats_dot``: the same outputs, formed as ``tl.dot`` products on tensor cores
-(rows (token, site) against rows (token, source) of a tile of tokens, per head; float32 factors
-as bf16x2 splits, hi + lo). ``_route_bwd_sources_dot`` does the same for the second (off by
-default: not yet measured on a GPU). Eager calls run the autograd through
+loop. Where the sources are bf16 with a head width of 128 or 160 and the key rstd saved, the first
+of them is ``_route_bwd_stats_dot``: the same outputs, formed as ``tl.dot`` products on tensor
+cores (rows (token, site) against rows (token, source) of a tile of tokens, per head, the head
+width padded to a power of two; float32 factors as bf16x2 splits, hi + lo).
+``_route_bwd_sources_dot`` does the same for the second (at head widths that need no padding), and
+``_route_fwd_sites_dot`` for the forward of a phase-one pass. Eager calls run the autograd through
 :class:`_RouteFunction`; ``torch.compile`` sees the custom ops.
 
 Each token's width is held in registers as ``[heads, lanes]`` tiles; a head width that is a sum
@@ -186,9 +187,12 @@ DOT_MAX_SITES = 16
 DOT_MAX_SOURCES = 64
 DOT_MIN_HEAD_WIDTH = 128
 # 1b's 160, padded to 256: pass one measured faster in training (full MHAR 0.643 against 0.610 x
-# prenorm, block MHAR 0.928 against 0.921), pass two slower there (both passes: 0.605 and 0.894), so
-# pass two takes only widths that need no padding (``_sources_on_dots``). BENCHMARKS.md, eleventh set.
+# prenorm, block MHAR 0.928 against 0.921), pass two slower there (both passes: full 0.605 against
+# 0.612, block 0.894 against 0.927), so pass two takes only widths that need no padding
+# (``_sources_on_dots``; ``DOT_SOURCES_PADDED`` lets it take them, for benchmarks). BENCHMARKS.md,
+# eleventh set.
 DOT_MAX_HEAD_WIDTH = 160
+DOT_SOURCES_PADDED = False
 # Rows of either operand of a tile at most: the products [BM*BS, BM*BN] grow as the square of the
 # tokens per tile, and at head width 16 pass two's tile of 256 rows asked an H200 for 299 KB of shared
 # memory (232 KB there). From head width 64 up, DOT_TILE_ELEMENTS alone keeps tiles within it.
@@ -201,9 +205,15 @@ DOT_MAX_ROWS = 64
 DOT_SOURCES = True
 # Phase one's forward on tensor cores too (``_route_fwd_sites_dot``, where ``_fwd_on_dots`` holds),
 # each source read for all the pass's sites at once, from head width DOT_FWD_MIN_HEAD_WIDTH up to
-# DOT_MAX_HEAD_WIDTH. Benchmark knobs (``vector-fwd``, ``fwd-at-64``).
+# DOT_MAX_HEAD_WIDTH. Measured in training on an H200 (BENCHMARKS.md, eleventh set; x prenorm,
+# against the vector forward): full MHAR 0.804 / 0.789 and block MHAR 0.952 / 0.945 at 350m, full
+# MHAR 0.647 / 0.633 at 1b; at head width 64 (100m) block MHAR was slower, 0.877 against 0.908.
+# Benchmark knobs (``vector-fwd``, ``fwd-at-64``).
 DOT_FWD = True
 DOT_FWD_MIN_HEAD_WIDTH = 128
+# Sites a pass needs for its forward to run there: phase-one passes (one site over many sources
+# keeps the vector forward; not measured there).
+DOT_FWD_MIN_SITES = 2
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -1647,12 +1657,12 @@ def _fwd_on_dots(
     norm_weight: Optional[Tensor], dtype: torch.dtype,
 ) -> bool:
     """Whether a forward runs on tensor cores (``_route_fwd_sites_dot``): ``DOT_FWD``, a phase-one
-    pass (at least ``SITE_LOOP_MIN_SITES`` sites, the replacement form, no prior, no fused norm, no
+    pass (at least ``DOT_FWD_MIN_SITES`` sites, the replacement form, no prior, no fused norm, no
     stored scores) over at most ``DOT_MAX_SITES`` sites and ``DOT_MAX_SOURCES`` sources, bf16
     sources, and a head width from ``DOT_FWD_MIN_HEAD_WIDTH`` to ``DOT_MAX_HEAD_WIDTH``."""
     dh = d // heads
     return (
-        DOT_FWD and SITE_LOOP_MIN_SITES <= n_sites <= DOT_MAX_SITES and 0 < n_src <= DOT_MAX_SOURCES
+        DOT_FWD and DOT_FWD_MIN_SITES <= n_sites <= DOT_MAX_SITES and 0 < n_src <= DOT_MAX_SOURCES
         and stream is None and prior_out is None and not store_scores and norm_weight is None
         and DOT_FWD_MIN_HEAD_WIDTH <= dh <= DOT_MAX_HEAD_WIDTH and dtype == torch.bfloat16
     )
@@ -1660,8 +1670,9 @@ def _fwd_on_dots(
 
 def _sources_on_dots(d: int, heads: int) -> bool:
     """Whether pass two of the site loop runs on tensor cores where pass one does: ``DOT_SOURCES``
-    and a head width that is a power of two (a padded one measured slower, at 1b)."""
-    return DOT_SOURCES and _dot_width(d // heads) == d // heads
+    and a head width that is a power of two (a padded one measured slower, at 1b), or any with
+    ``DOT_SOURCES_PADDED``."""
+    return DOT_SOURCES and (DOT_SOURCES_PADDED or _dot_width(d // heads) == d // heads)
 
 
 def _dot_programs(name: str, device: torch.device, tiles: int, heads: int, args, flags: dict) -> int:
@@ -1683,7 +1694,7 @@ def _dot_width(head_width: int) -> int:
 
 
 def _dot_tile(n_sites: int, n_src: int, head_width: int) -> tuple[int, int, int]:
-    """(BS, BN, BM) of ``_route_bwd_stats_dot``: sites and sources padded to powers of two, tokens
+    """(BS, BN, BM) of the tensor-core kernels' tiles: sites and sources padded to powers of two, tokens
     per tile so that a tile holds about ``DOT_TILE_ELEMENTS`` elements of (token, source) or
     (token, site) rows of the padded head width, at most ``DOT_MAX_ROWS`` rows, and sites or sources
     padded further where a token's rows alone are fewer than 16 (the smallest ``tl.dot`` operand)."""
@@ -1711,9 +1722,10 @@ def _backward_site_loop(
     source gradients are added into its slots ``0 .. N - 1`` inside pass two (the returned source
     gradient is then an empty tensor).
 
-    Where ``_stats_on_dots`` holds (bf16, the replacement form, ``rstd`` given, head width 128),
-    pass one is ``_route_bwd_stats_dot`` (tensor cores; one program per head and range of tiles of
-    ``_dot_tile`` tokens), and with ``DOT_SOURCES`` pass two is ``_route_bwd_sources_dot``, which
+    Where ``_stats_on_dots`` holds (bf16, the replacement form, ``rstd`` given, head width 128 to
+    160), pass one is ``_route_bwd_stats_dot`` (tensor cores; one program per head and range of
+    tiles of ``_dot_tile`` tokens), and where ``_sources_on_dots`` holds too (an unpadded head width)
+    pass two is ``_route_bwd_sources_dot``, which
     recomputes the scores and takes the key norm's term as per-head shares pass one wrote
     (``[N, tokens, H]`` float32) instead of the ``[S, N, tokens, H, 2]`` scores.
     """
