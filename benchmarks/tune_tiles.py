@@ -60,6 +60,23 @@ def rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def check_and_time(row: dict, build, refs, bench) -> dict:
+    """``row`` with the largest relative L2 difference of ``build()()``'s outputs from ``refs``
+    and, where it is within 1e-2, the time ``bench`` gives that function (ms); a configuration that
+    does not compile or fails the check is a result too."""
+    try:
+        fn = build()
+        diff = max(rel(o, r) for o, r in zip(fn(), refs))
+        row["rel_diff"] = f"{diff:.1e}"
+        if diff > 1e-2:
+            row["status"] = "FAILED check"
+        else:
+            row.update(ms=f"{bench(fn):.4f}", status="ok")
+    except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a result
+        row.update(status=f"error {e!r}"[:160])
+    return row
+
+
 def make(M, d, n, sites, heads, seed=0):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     sources = [(torch.randn(M, d, device=DEVICE, generator=g) * (0.5 + i % 3)).to(torch.bfloat16).requires_grad_() for i in range(n)]
@@ -153,22 +170,10 @@ def main(argv=None):
                     tr.WARPS.clear()
                     tr.TILE_ELEMENTS[kind], tr.WARPS[kind] = elements, warps
                     row = dict(shape=name, kind=kind, elements=elements, warps=warps)
-                    try:
-                        if kind in ("fwd", "merge_fwd"):
-                            diff = max(rel(o, r) for o, r in zip(fwd()[0], ref_out))
-                            fn = fwd
-                        else:
-                            _, b2 = build(*data, heads)
-                            diff = max(rel(g, r) for g, r in zip(b2(), ref_grads))
-                            fn = b2
-                        row["rel_diff"] = f"{diff:.1e}"
-                        if diff > 1e-2:
-                            row["status"] = "FAILED check"
-                        else:
-                            row.update(ms=f"{bench(fn):.4f}", status="ok")
-                    except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a result
-                        row.update(status=f"error {e!r}"[:160])
-                    emit(row)
+                    if kind in ("fwd", "merge_fwd"):
+                        emit(check_and_time(row, lambda: lambda: fwd()[0], ref_out, bench))
+                    else:
+                        emit(check_and_time(row, lambda: build(*data, heads)[1], ref_grads, bench))
             del data, fwd, bwd, ref_out, ref_grads
             tr.TILE_ELEMENTS.update(defaults[0])
             tr.WARPS.clear()
@@ -205,17 +210,8 @@ def main(argv=None):
                     for k, v in {**saved, **settings}.items():
                         setattr(tr, k, v)
                     row = dict(shape=name.replace("dots", family), **fields)
-                    try:
-                        _, b2 = runner(*data, 8)
-                        diff = max(rel(g, r) for g, r in zip(b2(), ref_grads))
-                        row["rel_diff"] = f"{diff:.1e}"
-                        if diff > 1e-2:
-                            row["status"] = "FAILED check"
-                        else:
-                            row.update(ms=f"{do_bench(b2, warmup=5, rep=50, return_mode='median'):.4f}", status="ok")
-                    except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a result
-                        row.update(status=f"error {e!r}"[:160])
-                    emit(row)
+                    bench = lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median")  # noqa: E731
+                    emit(check_and_time(row, lambda: runner(*data, 8)[1], ref_grads, bench))
                 for k, v in saved.items():
                     setattr(tr, k, v)
                 del data, bwd, ref_grads
