@@ -73,7 +73,7 @@ KNOBS = {
     "vector-stats": {(TR, "DOT_STATS"): False},  # pass one of the site loop on the vector kernel, not tensor cores
     "dot-w4": {(TR, "DOT_WARPS"): 4},  # pass one on tensor cores: 4 warps per program (default 2)
     "dot-w2-one-token": {(TR, "DOT_WARPS_ONE_TOKEN"): 2},  # 2 warps where a tile holds one token (default 4)
-    "dots-at-64": {(TR, "DOT_MIN_HEAD_WIDTH"): 64},  # pass one on tensor cores at head width 64 too (100m)
+    "dots-at-64": {(TR, "DOT_MIN_HEAD_WIDTH"): 64},  # the site loop (both passes since the eleventh set) on tensor cores at head width 64 too (100m)
     "dot-sources": {(TR, "DOT_SOURCES"): True},  # pass two on tensor cores too: the default since the eleventh set (BENCHMARKS.md)
     "vector-fwd": {(TR, "DOT_FWD"): False},  # phase one's forward on the vector kernel, not tensor cores
     "fwd-at-64": {(TR, "DOT_FWD_MIN_HEAD_WIDTH"): 64},  # phase one's forward on tensor cores at head width 64 too (100m)

@@ -1498,8 +1498,10 @@ def _forward(
             STORE_RSTD=store_rstd, DOT_F32=interpret, num_warps=WARPS.get("fwd_sites_dot", DOT_WARPS if bm_dot > 1 else DOT_WARPS_ONE_TOKEN),
         )
 
+        src_offs, out_offs = _offsets(srcs, base), _offsets(outs, outs[0])
+
         def args(progs: int) -> tuple:
-            return (base, _offsets(srcs, base), n_src, w_hi, w_lo, n_sites, outs[0], _offsets(outs, outs[0]), lse, rstd if store_rstd else dummy, M, eps, tiles, progs)
+            return (base, src_offs, n_src, w_hi, w_lo, n_sites, outs[0], out_offs, lse, rstd if store_rstd else dummy, M, eps, tiles, progs)
 
         progs = _dot_programs("fwd_sites_dot", like.device, tiles, 1, args, flags)
         _kernel("fwd_sites_dot", interpret)[(progs,)](*args(progs), **flags)
@@ -1811,10 +1813,12 @@ def _backward_site_loop(
             num_warps=WARPS.get("bwd_sources_dot", DOT_WARPS if bm_dot > 1 else DOT_WARPS_ONE_TOKEN),
         )
 
+        target_offs, addend_offs = _offsets(targets, targets[0]), _offsets(addends, addends[0])
+
         def src_args(progs: int) -> tuple:
             return (
                 base, src_offs, n_src, w_hi, w_lo, n_sites, grads[0], g_offs, lse, dsum, rstd, t_part,
-                targets[0], _offsets(targets, targets[0]), addends[0], _offsets(addends, addends[0]), n_acc, M, tiles_dot, progs,
+                targets[0], target_offs, addends[0], addend_offs, n_acc, M, tiles_dot, progs,
             )
 
         progs2 = _dot_programs("bwd_sources_dot", device, tiles_dot, heads, src_args, src_flags)

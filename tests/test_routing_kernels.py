@@ -571,7 +571,7 @@ def test_phase_one_forward_on_tensor_cores_matches_float64_reference(monkeypatch
     ref_outs, ref_lse = reference.route_sites([x.double() for x in srcs], queries.double(), gains.double(), heads)
     for o, r in zip(got[:sites], ref_outs):
         assert rel_err(o, r) < TOL[dtype]
-    assert rel_err(got[sites], ref_lse) < 1e-5 * spread
+    assert rel_err(got[sites], ref_lse) < 1e-5
     rstd64 = torch.stack([x.double().square().mean(-1).add(1e-6).rsqrt().flatten() for x in srcs])
     assert rel_err(got[sites + 2], rstd64) < 1e-6
     for o, v, r in zip(got[:sites], runs[False][:sites], ref_outs):
