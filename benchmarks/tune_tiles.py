@@ -11,8 +11,9 @@ host needs to launch it) is checked against the package's default configuration
 ``triton.testing.do_bench`` (median), the other kinds at their defaults. A configuration whose
 check fails gets no time. It also times the two backward kernels against each other at one site
 and N sources, which sets ``SITE_LOOP_MIN_SOURCES``, and (``--shapes dots``) pass one of the site
-loop on tensor cores against the vector kernel, by warps and elements per tile, and
-(``--shapes passes``) pass one, then both passes, on tensor cores against the vector kernels.
+loop on tensor cores against the vector kernel, by warps and elements per tile,
+(``--shapes passes``) pass one, then both passes, on tensor cores against the vector kernels, and
+(``--shapes dot-tune``) each tensor-core kernel by warps and pipelining stages, then by tile.
 
     python benchmarks/tune_tiles.py --scale 350m --out OUT    # writes OUT/tune_tiles.csv
 """
@@ -127,7 +128,7 @@ def merge_runner(inputs, kw, dout, heads):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", choices=list(SCALES), default="350m")
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", required=True, help="folder of tune_tiles.csv (rows are appended)")
     ap.add_argument("--shapes", default="phase1,full,one-site", help="comma-separated: which shape families to run")
     args = ap.parse_args(argv)
     families = set(args.shapes.split(","))
@@ -215,6 +216,33 @@ def main(argv=None):
                 for k, v in saved.items():
                     setattr(tr, k, v)
                 del data, bwd, ref_grads
+                torch.cuda.empty_cache()
+
+        # "dot-tune": each tensor-core kernel by warps and pipelining stages (the other two at their
+        # defaults), the forward timed alone, the two backward kernels by the whole backward; then
+        # the tiles (elements per tile, which all three share) at the default warps and stages
+        if "dot-tune" in families:
+            for name, n, sites in dot_shapes:
+                data = make(M, d, n, sites, 8, seed=n)
+                fwd, bwd = runner(*data, 8)
+                ref_out, ref_grads = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in bwd()]
+                saved = {k: getattr(tr, k) for k in ("DOT_TILE_ELEMENTS", "WARPS", "DOT_STAGES")}
+                bench = lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median")  # noqa: E731
+                trials = [(kind, f"tile{tr.DOT_TILE_ELEMENTS}", {"WARPS": {kind: warps}, "DOT_STAGES": {kind: stages}}, f"{warps}/s{stages}")
+                          for kind in ("fwd_sites_dot", "bwd_stats_dot", "bwd_sources_dot") for warps, stages in itertools.product((2, 4, 8), (1, 2, 3))]
+                trials += [(kind, f"tile{tile}", {"DOT_TILE_ELEMENTS": tile, "WARPS": {}, "DOT_STAGES": {}}, "default")
+                           for tile in (2048, 4096, 8192) for kind in ("fwd_sites_dot", "backward")]
+                for kind, elements, settings, warps in trials:
+                    for k, v in {**saved, **settings}.items():
+                        setattr(tr, k, v)
+                    row = dict(shape=name.replace("dots", "dot-tune"), kind=kind, elements=elements, warps=warps)
+                    if kind == "fwd_sites_dot":
+                        emit(check_and_time(row, lambda: lambda: fwd()[0], ref_out, bench))
+                    else:
+                        emit(check_and_time(row, lambda: runner(*data, 8)[1], ref_grads, bench))
+                for k, v in saved.items():
+                    setattr(tr, k, v)
+                del data, fwd, bwd, ref_out, ref_grads
                 torch.cuda.empty_cache()
 
         # one site over N sources: two-pass against site-loop backward

@@ -183,6 +183,10 @@ DOT_TILE_ELEMENTS = 4096
 DOT_WARPS = 2
 DOT_WARPS_ONE_TOKEN = 4
 DOT_PROGRAMS_PER_SM = 16
+# Software-pipelining stages (Triton's ``num_stages``) by tensor-core kernel ("fwd_sites_dot",
+# "bwd_stats_dot", "bwd_sources_dot") where set; else Triton's default. ``tune_tiles.py --shapes
+# dot-tune`` tries them with the warps.
+DOT_STAGES: dict[str, int] = {}
 DOT_MAX_SITES = 16
 DOT_MAX_SOURCES = 64
 DOT_MIN_HEAD_WIDTH = 128
@@ -1495,7 +1499,7 @@ def _forward(
         tiles = triton.cdiv(M, bm_dot)
         flags = dict(
             D=d, H=heads, DH=d // heads, DHP=_dot_width(d // heads), BS=bs_dot, BN=bn_dot, BM=bm_dot, ALIGN=16 // base.element_size(),
-            STORE_RSTD=store_rstd, DOT_F32=interpret, num_warps=WARPS.get("fwd_sites_dot", DOT_WARPS if bm_dot > 1 else DOT_WARPS_ONE_TOKEN),
+            STORE_RSTD=store_rstd, DOT_F32=interpret, **_dot_launch("fwd_sites_dot", bm_dot),
         )
 
         src_offs, out_offs = _offsets(srcs, base), _offsets(outs, outs[0])
@@ -1689,6 +1693,16 @@ def _dot_programs(name: str, device: torch.device, tiles: int, heads: int, args,
     return min(tiles, max(1, sms * resident // heads))
 
 
+def _dot_launch(name: str, bm: int) -> dict:
+    """Launch options of tensor-core kernel ``name`` on tiles of ``bm`` tokens: its warps (``WARPS``
+    where set, else ``DOT_WARPS``, or ``DOT_WARPS_ONE_TOKEN`` for tiles of one token) and its
+    pipelining stages where ``DOT_STAGES`` sets them."""
+    opts = dict(num_warps=WARPS.get(name, DOT_WARPS if bm > 1 else DOT_WARPS_ONE_TOKEN))
+    if name in DOT_STAGES:
+        opts["num_stages"] = DOT_STAGES[name]
+    return opts
+
+
 def _dot_width(head_width: int) -> int:
     """The head width the tensor-core kernels compute on: the next power of two, at least 16 (the
     smallest ``tl.dot`` operand); the padding columns are masked off."""
@@ -1788,7 +1802,7 @@ def _backward_site_loop(
             D=d, H=heads, DH=d // heads, DHP=_dot_width(d // heads), BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), HAS_DLSE=grad_lse is not None,
             DOT_F32=interpret, STORE_SA=not both_on_dots, STORE_T=both_on_dots,
-            num_warps=WARPS.get("bwd_stats_dot", DOT_WARPS if bm_dot > 1 else DOT_WARPS_ONE_TOKEN),
+            **_dot_launch("bwd_stats_dot", bm_dot),
         )
 
         def dot_args(dw: Tensor, progs: int) -> tuple:
@@ -1810,7 +1824,7 @@ def _backward_site_loop(
         src_flags = dict(
             D=d, H=heads, BH=triton.next_power_of_2(heads), DH=d // heads, DHP=_dot_width(d // heads), BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), DOT_F32=interpret, ACC=n_acc > 0,
-            num_warps=WARPS.get("bwd_sources_dot", DOT_WARPS if bm_dot > 1 else DOT_WARPS_ONE_TOKEN),
+            **_dot_launch("bwd_sources_dot", bm_dot),
         )
 
         target_offs, addend_offs = _offsets(targets, targets[0]), _offsets(addends, addends[0])
