@@ -72,7 +72,9 @@ KNOBS = {
     "occ-stats": {(TR, "OCCUPANCY_GRIDS"): frozenset({"bwd", "bwd_stats", "fwd_sites_dot", "bwd_stats_dot", "bwd_sources_dot"})},  # the vector pass one sized too
     "vector-stats": {(TR, "DOT_STATS"): False},  # pass one of the site loop on the vector kernel, not tensor cores
     "dot-w4": {(TR, "DOT_WARPS"): 4},  # pass one on tensor cores: 4 warps per program (default 2)
-    "dot-w2-one-token": {(TR, "DOT_WARPS_ONE_TOKEN"): 2},  # 2 warps where a tile holds one token (default 4)
+    "dot-w2-one-token": {(TR, "DOT_WARPS_ONE_TOKEN"): {"fwd_sites_dot": 2, "bwd_stats_dot": 2, "bwd_sources_dot": 2}},  # 2 warps where a tile holds one token
+    "fwd-w4-one-token": {(TR, "DOT_WARPS_ONE_TOKEN"): {"fwd_sites_dot": 4, "bwd_stats_dot": 4, "bwd_sources_dot": 4}},  # the forward's one-token tiles on 4 warps (before the twelfth set)
+    "sources-stages3": {(TR, "DOT_STAGES"): {}},  # pass two on tensor cores with Triton's default 3 stages (before the twelfth set)
     "dots-at-64": {(TR, "DOT_MIN_HEAD_WIDTH"): 64},  # the site loop (both passes since the eleventh set) on tensor cores at head width 64 too (100m)
     "dot-sources": {(TR, "DOT_SOURCES"): True},  # pass two on tensor cores too: the default since the eleventh set (BENCHMARKS.md)
     "vector-fwd": {(TR, "DOT_FWD"): False},  # phase one's forward on the vector kernel, not tensor cores

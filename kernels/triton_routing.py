@@ -181,12 +181,15 @@ PREFETCH = {"fwd": 1, "bwd": 1, "bwd_stats": 1}
 DOT_STATS = True
 DOT_TILE_ELEMENTS = 4096
 DOT_WARPS = 2
-DOT_WARPS_ONE_TOKEN = 4
+DOT_WARPS_ONE_TOKEN = {"fwd_sites_dot": 2, "bwd_stats_dot": 4, "bwd_sources_dot": 4}
 DOT_PROGRAMS_PER_SM = 16
-# Software-pipelining stages (Triton's ``num_stages``) by tensor-core kernel ("fwd_sites_dot",
-# "bwd_stats_dot", "bwd_sources_dot") where set; else Triton's default. ``tune_tiles.py --shapes
-# dot-tune`` tries them with the warps.
-DOT_STAGES: dict[str, int] = {}
+# Software-pipelining stages (Triton's ``num_stages``) by tensor-core kernel where set; else
+# Triton's default (3). Measured on an H200 (``tune_tiles.py --shapes dot-tune``, 350m, H = 8, bf16,
+# the backward of one phase-one pass, ms; BENCHMARKS.md, twelfth set): pass two on one stage took
+# 6 sites over 8 blocks 1.16 against 1.37, 8 sites over 9 sources 1.46 against 1.74, 8 sites over
+# 41 sources 6.28 against 6.63 (4 warps); the forward of 8 sites over 41 sources (tiles of one
+# token) 3.05 ms on 2 warps against 3.40 on 4 (``DOT_WARPS_ONE_TOKEN``). Benchmark knobs.
+DOT_STAGES: dict[str, int] = {"bwd_sources_dot": 1}
 DOT_MAX_SITES = 16
 DOT_MAX_SOURCES = 64
 DOT_MIN_HEAD_WIDTH = 128
@@ -568,6 +571,12 @@ def _route_bwd(
                 v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 1, M, 0)) & (h_i < H), other=0.0)
         for i in range(n_src):
             v = v_next.to(tl.float32)
+            if ACC:  # the sink's addend, issued before the products: its latency overlaps them
+                a_off = tl.multiple_of(tl.load(acc_offs + i), ALIGN)
+                acc_rows = rows < tl.where(i < n_acc, M, 0)
+                acc = tl.load(acc_base + a_off + x_off, mask=acc_rows & cmask, other=0.0)
+                if DT > 0:
+                    acc_t = tl.load(acc_base + a_off + x_off_t, mask=acc_rows & (h_i < H), other=0.0)
             off = tl.multiple_of(tl.load(src_offs + i + PF), ALIGN)
             if PF == 2:
                 v_next = v_next2
@@ -597,9 +606,7 @@ def _route_bwd(
             dv -= v * (rstd * rstd * t)  # through the key's rstd
             d_off = tl.multiple_of(tl.load(dsrc_offs + i), ALIGN)
             if ACC:
-                a_off = tl.multiple_of(tl.load(acc_offs + i), ALIGN)
-                acc_rows = rows < tl.where(i < n_acc, M, 0)
-                dv += tl.load(acc_base + a_off + x_off, mask=acc_rows & cmask, other=0.0).to(tl.float32)
+                dv += acc.to(tl.float32)
             tl.store(dsrc_base + d_off + x_off, dv.to(dsrc_base.dtype.element_ty), mask=xmask)
             dw_acc += tl.reduce(ds * (v * rstd), 1, _ADD, keep_dims=True)
             if DT > 0:
@@ -607,7 +614,7 @@ def _route_bwd(
                 dv_t += rstd * tl.reduce(ds * w_t, 0, _ADD, keep_dims=True)
                 dv_t -= v_t * (rstd * rstd * t)
                 if ACC:
-                    dv_t += tl.load(acc_base + a_off + x_off_t, mask=acc_rows & (h_i < H), other=0.0).to(tl.float32)
+                    dv_t += acc_t.to(tl.float32)
                 tl.store(dsrc_base + d_off + x_off_t, dv_t.to(dsrc_base.dtype.element_ty), mask=hmask)
                 dw_acc_t += tl.reduce(ds * (v_t * rstd), 1, _ADD, keep_dims=True)
 
@@ -1011,7 +1018,10 @@ def _route_bwd_sources_dot(
         rmask = smask & (rows_r < M)
         qmask = jmask & (rows_q < M)
         dr = tl.load(g_base + g_off + rows_r[:, None] * D + col, mask=rmask[:, None] & cmask, other=0.0)  # [BM*BS, DHP]
-        v = tl.load(src_base + off + rows_q[:, None] * D + col, mask=qmask[:, None] & cmask, other=0.0)  # [BM*BN, DHP]
+        x_off = rows_q[:, None] * D + col
+        v = tl.load(src_base + off + x_off, mask=qmask[:, None] & cmask, other=0.0)  # [BM*BN, DHP]
+        if ACC:  # issued with the values: its latency overlaps theirs and the products
+            acc = tl.load(acc_base + a_off + x_off, mask=(qmask & amask)[:, None] & cmask, other=0.0)
         sh_r = (s_r.to(tl.int64) * M + rows_r) * H + h
         lse = tl.load(lse_ptr + sh_r, mask=rmask, other=0.0)
         dsum = tl.load(dsum_ptr + sh_r, mask=rmask, other=0.0)
@@ -1052,9 +1062,8 @@ def _route_bwd_sources_dot(
             dv = tl.dot(c_hi, w_lo, dv)
             dv = tl.dot(c_lo, w, dv)
         dv -= v.to(tl.float32) * (rstd * rstd * t / D)[:, None]
-        x_off = rows_q[:, None] * D + col
         if ACC:
-            dv += tl.load(acc_base + a_off + x_off, mask=(qmask & amask)[:, None] & cmask, other=0.0).to(tl.float32)
+            dv += acc.to(tl.float32)
         tl.store(dsrc_base + d_off + x_off, dv.to(dsrc_base.dtype.element_ty), mask=qmask[:, None] & cmask)
 
 
@@ -1695,9 +1704,9 @@ def _dot_programs(name: str, device: torch.device, tiles: int, heads: int, args,
 
 def _dot_launch(name: str, bm: int) -> dict:
     """Launch options of tensor-core kernel ``name`` on tiles of ``bm`` tokens: its warps (``WARPS``
-    where set, else ``DOT_WARPS``, or ``DOT_WARPS_ONE_TOKEN`` for tiles of one token) and its
+    where set, else ``DOT_WARPS``, or the kernel's ``DOT_WARPS_ONE_TOKEN`` for tiles of one token) and its
     pipelining stages where ``DOT_STAGES`` sets them."""
-    opts = dict(num_warps=WARPS.get(name, DOT_WARPS if bm > 1 else DOT_WARPS_ONE_TOKEN))
+    opts = dict(num_warps=WARPS.get(name, DOT_WARPS if bm > 1 else DOT_WARPS_ONE_TOKEN[name]))
     if name in DOT_STAGES:
         opts["num_stages"] = DOT_STAGES[name]
     return opts
