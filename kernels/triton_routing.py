@@ -1955,6 +1955,9 @@ def _gradients(ctx, grads, backward) -> Optional[tuple]:
     grad_outs, grad_lse = list(grads[: ctx.n_out]), grads[ctx.n_out]
     if all(g is None for g in grad_outs) and grad_lse is None:
         return None
+    replay = getattr(ctx, "stream_replay", None)
+    if replay is not None:  # the stream's value from the sink (GradientSink.collect_stream), not saved
+        stream = replay[0].stream_value(replay[1])
     like = sources[0] if sources else prior_out
     dtype = next((g.dtype for g in grad_outs if g is not None), like.dtype)
     grad_outs = [torch.zeros(like.shape, dtype=dtype, device=like.device) if g is None else g for g in grad_outs]
@@ -2001,8 +2004,11 @@ class _RouteFunction(torch.autograd.Function):
             list(sources), queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, norm_eps
         )
         n_out = 1 if stream is not None else queries.shape[0]
-        kept_stream = stream if norm_weight is not None else None  # the fused norm's backward needs the stream
+        # the fused norm's backward needs the stream: saved, unless the sink gives its value back
+        replay = norm_weight is not None and stream is not None and sink is not None and sink.sink.replays(sink.stream_slot)
+        kept_stream = stream if norm_weight is not None and not replay else None
         ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, norm_weight, kept_stream, outs[n_out], outs[n_out + 2], *sources)
+        ctx.stream_replay = (sink.sink, sink.stream_slot) if replay else None
         ctx.heads, ctx.eps, ctx.n_out, ctx.additive, ctx.n_src = heads, eps, n_out, stream is not None, len(sources)
         ctx.norm_eps, ctx.sink, ctx.norm_weight_given = norm_eps, sink, norm_weight is not None
         ctx.mark_non_differentiable(outs[n_out + 1], outs[n_out + 2])
@@ -2168,7 +2174,8 @@ def merge_route_norm(
     Same contract as :func:`lit_mhar.kernels.reference.merge_route_norm` (``y = RMSNorm(x) *
     norm_weight``, ``x = r`` or ``stream + gate * r``, never rounded nor written). The backward
     recomputes ``r`` from the prior and the sources, so the forward saves what the merge saves (the
-    prior, its lse, the sources; the stream in the additive form), not the norm's input; the
+    prior, its lse, the sources; the stream in the additive form, unless the sink collected it with
+    :meth:`GradientSink.collect_stream` and gives its value back), not the norm's input; the
     weight's gradient is summed per persistent program and reduced in a fixed order (deterministic).
     With ``grad_sink`` the backward kernel adds the sources' gradients into the sink, and in the
     additive form the stream's where the sink collected the stream (:meth:`GradientSink.collect`);

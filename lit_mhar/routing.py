@@ -59,6 +59,12 @@ SINK_SOURCE_GRADIENTS = True
 # addition. Delta block 0.882 / 0.878 against 0.875 x prenorm at 350m, 0.821 / 0.813 against 0.809
 # at 100m; Delta full 0.689 against 0.681, 0.706 against 0.701 (BENCHMARKS.md, ninth set). A knob.
 SINK_STREAM = True
+# ... and, with the stream collected, its value is not saved for the fused norm's backward: the
+# sink keeps one stream per group of sites (a block, or FULL_ROUTING_GROUP sites) and the sublayer
+# outputs between, and replays the float32 additions in the backward pass, bit-identical
+# (GradientSink.collect_stream). Delta AttnRes kept a float32 stream per sublayer, 4 bytes per
+# element, beyond what the replacement form keeps (BENCHMARKS.md, twelfth set). A knob.
+REPLAY_STREAM = True
 
 
 class DepthHistory:
@@ -106,7 +112,7 @@ class DepthHistory:
         self.two_phase = bool(two_phase) and self.group_size > 1 and self.sites is not None
         # the complete sources' gradients summed over the phase-one passes (see SINK_SOURCE_GRADIENTS)
         sink = SINK_SOURCE_GRADIENTS and self.two_phase and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        self.sink: Optional[GradientSink] = GradientSink() if sink else None
+        self.sink: Optional[GradientSink] = GradientSink(self.group_size if REPLAY_STREAM else 0) if sink else None
         self.blocks: list[Tensor] = [self._collect(embedding)]
         # site -> (phase-one routed value, its lse, how many of self.blocks phase one covered)
         self._inter: dict[int, tuple[Tensor, Tensor, int]] = {}
@@ -126,7 +132,7 @@ class DepthHistory:
         and ``retain_grad`` on it see) lacks what the sink sums, the plain tensor's is complete."""
         if not SINK_STREAM or self._frozen or self.sink is None or torch.compiler.is_compiling() or self.sink.holds([stream]):
             return stream  # (under torch.compile, a block compiled on its own, the sink is not traced)
-        return self._collect(stream)
+        return self.sink.collect_stream(stream)
 
     def append(self, output: Tensor, sublayer: int, stream: Optional[Tensor] = None) -> Optional[Tensor]:
         """Record the raw output ``[..., d]`` of sublayer ``sublayer`` (0-based, in order).

@@ -1103,6 +1103,76 @@ def test_model_stream_sink_matches_autograd(monkeypatch, block_size):
 
 
 @pytest.mark.parametrize("block_size", [2, 1], ids=["delta-block-S2", "delta-full"])
+def test_model_stream_replay_saves_no_stream_and_gives_identical_gradients(monkeypatch, block_size):
+    """Delta's residual stream replayed by the sink in the backward (REPLAY_STREAM, the default)
+    against saved: the same loss and bit-identical gradients, twice over one graph (retain_graph:
+    the second backward replays again); on, no float32 stream is saved for the backward."""
+    from lit_mhar import routing
+
+    model = tiny_model("delta", 4, block_size, n_layer=5)  # 11 sites: two groups in full routing
+    idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(routing, "REPLAY_STREAM", on)
+        saved = []
+
+        def pack(t):
+            if t.dim() == 3 and t.shape[-1] == 32 and t.dtype == torch.float32 and t.shape[:2] == idx.shape:
+                saved.append(t.untyped_storage().data_ptr())
+            return t
+
+        model.zero_grad()
+        with use_backend("triton"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        loss.backward(retain_graph=True)
+        first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        loss.backward()
+        second = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[on] = loss.detach(), first, second, len(set(saved))
+    (loss_on, first_on, second_on, saved_on), (loss_off, first_off, second_off, saved_off) = results[True], results[False]
+    assert torch.equal(loss_on, loss_off) and first_on.keys() == first_off.keys()
+    for name in first_off:
+        assert torch.equal(first_on[name], first_off[name]), name
+        assert torch.equal(second_on[name], second_off[name]), name
+    # saved float32 [B, T, d] tensors other than streams (the same with and without replay) plus
+    # the 11 sites' streams (the first is the embedding, which is also the depth history's source 0)
+    assert saved_off - saved_on >= 2 * 5
+
+
+@pytest.mark.parametrize("segment", [1, 3, 16])
+def test_gradient_sink_replays_streams_bit_identically(segment):
+    """GradientSink.collect_stream / stream_value: a chain of float32 streams advanced by bf16
+    outputs, asked for in reverse, in any order, and again, equals the forward's values bit for
+    bit; a stream not made by advance() is kept; a slot without a stream raises."""
+    from lit_mhar.kernels import GradientSink
+
+    g = torch.Generator().manual_seed(9)
+    sink = GradientSink(stream_segment=segment)
+    h = torch.randn(3, 5, 24, generator=g) * 100  # large stream, small outputs: rounding matters
+    values, slots = [], []
+    for step in range(7):
+        if step == 4:  # a stream that advance() did not make: kept
+            h = h * 1.5
+        alias = sink.collect_stream(h)
+        values.append(h.clone())
+        slots.append(len(sink._aliases) - 1)
+        partial = sink.collect(torch.randn(3, 5, 24, generator=g).to(torch.bfloat16))
+        h, _ = sink.advance(alias, partial, (torch.randn(3, 5, 24, generator=g) * 1e-3).to(torch.bfloat16))
+    kept = len(sink._stream_kept)
+    assert kept == (7 if segment == 1 else 3 if segment == 3 else 2)
+    for i in reversed(range(7)):
+        assert torch.equal(sink.stream_value(slots[i]), values[i]), i
+    for i in (5, 2, 6, 0, 3):  # again, in any order
+        assert torch.equal(sink.stream_value(slots[i]), values[i]), i
+    with pytest.raises(RuntimeError, match="holds no residual stream"):
+        sink.stream_value(slots[0] + 1)  # a partial's slot
+    assert not GradientSink().replays(0)
+    with pytest.raises(ValueError, match="stream_segment"):
+        GradientSink(stream_segment=-1)
+
+
+@pytest.mark.parametrize("block_size", [2, 1], ids=["delta-block-S2", "delta-full"])
 def test_hooks_on_delta_block_outputs_see_the_whole_stream_gradient(monkeypatch, block_size):
     """A tensor hook on a Delta block's output (the residual stream between blocks) sees the same
     gradient with the stream summed in the sink as without, and what it returns is used: a hook
