@@ -149,9 +149,9 @@ def compile_sublayers(model: LM) -> None:
     model.norm.compile()
 
 
-def training_step(scale, overrides, batch, seq, compile_):
-    """``(model, step)``: the variant's LM on the device and a closure running one optimiser step
-    (bf16 autocast, cross-entropy on fixed random tokens, clipping, fused AdamW) that returns the loss."""
+def training_parts(scale, overrides, batch, seq, compile_):
+    """``(model, optimiser, inputs, targets)`` of a variant: the LM on the device (its sublayers
+    compiled with ``compile_``), fused AdamW and fixed random tokens ``[batch, seq]``."""
     layers = SCALES[scale][2]
     kw = dict(overrides)
     # full routing's two-phase group size is a module setting, not a config field: set per variant
@@ -167,7 +167,13 @@ def training_step(scale, overrides, batch, seq, compile_):
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=DEVICE == "cuda")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=DEVICE, generator=gen)
-    x, y = idx[:, :-1], idx[:, 1:]
+    return model, opt, idx[:, :-1], idx[:, 1:]
+
+
+def training_step(scale, overrides, batch, seq, compile_):
+    """``(model, step)``: the variant's LM on the device and a closure running one optimiser step
+    (bf16 autocast, cross-entropy on fixed random tokens, clipping, fused AdamW) that returns the loss."""
+    model, opt, x, y = training_parts(scale, overrides, batch, seq, compile_)
 
     def step():
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
