@@ -204,6 +204,7 @@ def merge_route(
 def check_merge_norm_args(
     sources: Sequence[Tensor], query: Tensor, gain: Tensor, heads: int, prior_out: Tensor, prior_lse: Tensor,
     norm_weight: Tensor, norm_eps: float, eps: float, stream: Optional[Tensor] = None, gate: Optional[Tensor] = None,
+    stream_start: Optional[Tensor] = None,
 ) -> None:
     """Validate :func:`merge_route_norm`'s arguments before any work; raise ValueError naming the bad one."""
     if not isinstance(prior_out, Tensor) or prior_out.dim() < 1 or not prior_out.is_floating_point():
@@ -226,6 +227,14 @@ def check_merge_norm_args(
     for name, value in (("norm_eps", norm_eps), ("eps", eps)):  # > 0: a token of zeros (or a padding row) stays finite
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise ValueError(f"merge_route_norm: {name}={value!r} must be a finite number > 0")
+    if stream_start is not None:
+        if stream is None:
+            raise ValueError("merge_route_norm: stream_start is given without a stream (it belongs to the additive form)")
+        if not isinstance(stream_start, Tensor) or stream_start.shape != stream.shape or stream_start.dtype != stream.dtype or stream_start.device != stream.device:
+            raise ValueError(
+                f"merge_route_norm: stream_start must be a tensor of the stream's shape {tuple(stream.shape)}, dtype {stream.dtype} "
+                f"and device {stream.device}, got {getattr(stream_start, 'shape', stream_start)!r}"
+            )
 
 
 def merge_route_norm(
@@ -241,6 +250,7 @@ def merge_route_norm(
     gate: Optional[Tensor] = None,
     eps: float = 1e-6,
     grad_sink: Optional[GradientSink] = None,
+    stream_start: Optional[Tensor] = None,
 ) -> Tensor:
     """Second phase of two-phase routing fused with the next sublayer's RMSNorm (training).
 
@@ -264,6 +274,12 @@ def merge_route_norm(
         grad_sink: as in :func:`route_sites` (the sources' gradients go into the sink). A stream
             the sink collected gets its gradient through autograd here, which its alias adds to
             the slot's sum (the fused kernel adds it into the slot: the same sum).
+        stream_start: with the additive form, the stream at the start of the group of sites,
+            such that ``stream`` equals ``stream_start`` plus the sources added one by one in
+            order, in the stream's dtype (full routing: each source is a sublayer output added
+            to the stream). The fused kernels then save it instead of ``stream`` (one stream per
+            group instead of one per site) and recompute ``stream`` in the backward. Here it is
+            checked (shape, dtype, device, and the sum itself) and otherwise unused.
 
     Returns:
         ``y`` ``[..., d]`` in the dtype of ``prior_out`` promoted with the sources (not with
@@ -272,9 +288,16 @@ def merge_route_norm(
 
     Raises:
         ValueError: a shape, device, dtype, ``heads`` or epsilon that does not fit; ``stream``
-            without ``gate`` or the reverse.
+            without ``gate`` or the reverse; ``stream_start`` without ``stream``, or one from
+            which the sources do not add up to ``stream``.
     """
-    check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate)
+    check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate, stream_start)
+    if stream_start is not None:
+        replayed = stream_start.detach()
+        for s_ in sources:
+            replayed = replayed + s_.detach()
+        if not torch.equal(replayed, stream.detach()):
+            raise ValueError("merge_route_norm: stream_start plus the sources, added in order, is not the stream; pass stream_start=None")
     if grad_sink is not None:
         sources = grad_sink.feed(sources, "merge_route_norm")
     routed, _ = _route_with_prior(sources, query, gain, heads, (prior_out, prior_lse), None, eps, round_out=False)

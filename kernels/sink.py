@@ -44,32 +44,13 @@ class GradientSink:
     may mix (the custom op under ``torch.compile`` takes none). A sum belongs to the backward pass
     (autograd graph task) that wrote it: one that a backward over only some inputs left behind
     (its alias's backward did not run) is dropped by the next backward over the graph.
-
-    Args:
-        stream_segment: k > 0 lets the sink give back the values of the residual streams it
-            collected (:meth:`collect_stream`, :meth:`stream_value`) keeping one stream in k and
-            the sublayer outputs between; 0 (default) keeps no stream values.
-
-    Raises:
-        ValueError: ``stream_segment`` not an integer >= 0.
     """
 
-    def __init__(self, stream_segment: int = 0) -> None:
-        if isinstance(stream_segment, bool) or not isinstance(stream_segment, int) or stream_segment < 0:
-            raise ValueError(f"GradientSink: stream_segment={stream_segment!r} must be an integer >= 0 (0: keep every stream)")
+    def __init__(self) -> None:
         self._aliases: list[weakref.ref] = []
         self._grads: dict[int, Tensor] = {}
         self._owned: set[int] = set()  # slots whose buffer the sink allocated: updated in place
         self._task: dict[int, int] = {}  # slot -> the autograd graph task that wrote its sum
-        # the residual stream's values for the backward (see collect_stream): slot -> value kept
-        # (a checkpoint), slot -> (the previous stream's slot, the sublayer output added to it),
-        # slot -> value replayed and not yet used
-        self.stream_segment = stream_segment
-        self._stream_kept: dict[int, Tensor] = {}
-        self._stream_from: dict[int, tuple[int, Tensor]] = {}
-        self._stream_depth: dict[int, int] = {}
-        self._stream_cache: dict[int, Tensor] = {}
-        self._advanced: Optional[tuple[weakref.ref, int, Tensor]] = None  # advance()'s new stream, until collected
 
     def collect(self, x: Tensor) -> Tensor:
         """An alias of source ``x`` ``[..., d]`` at the next slot, whose gradient is the sum of
@@ -77,59 +58,6 @@ class GradientSink:
         alias = _Collect.apply(x, self, len(self._aliases))
         self._aliases.append(weakref.ref(alias))
         return alias
-
-    def collect_stream(self, x: Tensor) -> Tensor:
-        """:meth:`collect` for the additive form's residual stream ``[..., d]`` (float32 in training),
-        whose value the sink can also give back in the backward pass (:meth:`stream_value`), so
-        that the fused norm's backward need not save it (Delta AttnRes: 4 bytes per element and
-        sublayer, the one thing its routing keeps beyond the replacement form's).
-
-        With ``stream_segment`` = k > 0, a stream that :meth:`advance` made from a collected stream
-        and a sublayer output is not kept: the sink keeps the output (detached; in full routing
-        the same tensor as the depth history's source) and replays ``stream + output`` from the
-        nearest kept stream, one float32 addition per sublayer, the operation :meth:`advance` ran,
-        so the values are bit-identical. Every k-th stream of a chain, and any stream not made by
-        :meth:`advance`, is kept (detached). With k = 0 nothing is kept or replayed."""
-        alias = self.collect(x)
-        if self.stream_segment:
-            slot = len(self._aliases) - 1
-            made = self._advanced
-            self._advanced = None
-            if made is not None and made[0]() is x and self._stream_depth[made[1]] + 1 < self.stream_segment:
-                self._stream_from[slot] = (made[1], made[2])
-                self._stream_depth[slot] = self._stream_depth[made[1]] + 1
-            else:
-                self._stream_kept[slot] = x.detach()
-                self._stream_depth[slot] = 0
-        return alias
-
-    def replays(self, slot: Optional[int]) -> bool:
-        """Whether :meth:`stream_value` gives the value of the stream at ``slot``."""
-        return slot is not None and (slot in self._stream_kept or slot in self._stream_from)
-
-    def stream_value(self, slot: int) -> Tensor:
-        """The value of the stream collected at ``slot`` (:meth:`collect_stream`), as it was in the
-        forward pass: kept, or replayed from the nearest kept stream (the values between are kept
-        until asked for, as the backward asks for them in reverse order). RuntimeError for a slot
-        the sink holds no stream for."""
-        if slot in self._stream_cache:
-            return self._stream_cache.pop(slot)
-        chain = []
-        while slot not in self._stream_kept and slot not in self._stream_cache:
-            if slot not in self._stream_from:
-                raise RuntimeError(f"GradientSink.stream_value: slot {slot} holds no residual stream (collect_stream was not used for it)")
-            chain.append(slot)
-            slot = self._stream_from[slot][0]
-        if not chain:
-            return self._stream_kept[slot]
-        value = self._stream_kept.get(slot)
-        if value is None:
-            value = self._stream_cache[slot]
-        for k, later in enumerate(reversed(chain)):
-            value = value + self._stream_from[later][1]
-            if k < len(chain) - 1:
-                self._stream_cache[later] = value
-        return value
 
     def sum(self, partial: Tensor, output: Tensor) -> Tensor:
         """``partial + output`` ``[..., d]`` (a block's running sum), ``partial`` a collected alias:
@@ -152,10 +80,7 @@ class GradientSink:
         slots = iter(self.slots(given, "GradientSink.advance"))
         stream_slot = None if stream is None else next(slots)
         partial_slot = None if partial is None else next(slots)
-        new_stream, new_partial = _Advance.apply(stream, partial, output, self, stream_slot, partial_slot)
-        if self.stream_segment and stream_slot in self._stream_depth:  # collect_stream can replay the new stream
-            self._advanced = (weakref.ref(new_stream), stream_slot, output.detach())
-        return new_stream, new_partial
+        return _Advance.apply(stream, partial, output, self, stream_slot, partial_slot)
 
     def holds(self, sources: Sequence[Tensor]) -> bool:
         """Whether every one of ``sources`` is an alias :meth:`collect` returned (once each)."""

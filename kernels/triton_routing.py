@@ -374,11 +374,14 @@ def _route_bwd(
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr, PF: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_DLSE: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
-    STREAM_ACC: tl.constexpr,
+    STREAM_ACC: tl.constexpr, REPLAY: tl.constexpr,
 ):
     # Source i's gradient goes to dsrc_base + dsrc_offs[i]; with ACC, sources i < n_acc add to it
     # acc_base + acc_offs[i] (a gradient sink's sum so far, see _route_bwd_sources). With
     # STREAM_ACC the stream's gradient (fused norm, additive form) adds dstream_acc_ptr's likewise.
+    # With REPLAY (fused norm, additive form) stream_ptr holds the stream at the group's start and
+    # the stream is that plus the sources, added in order in float32 as the forward's torch
+    # additions did (bit-identical), while pass one reads the sources anyway.
     # Every lane tensor has a twin ``*_t`` over each head's last DT channels when DT > 0 (see
     # _route_fwd); sums over a head add the two.
     pid = tl.program_id(0)
@@ -442,6 +445,10 @@ def _route_bwd(
             racc = tl.full([1, BM, BH, BDH], 0.0, tl.float32)
             if DT > 0:
                 racc_t = tl.full([1, BM, BH, DT], 0.0, tl.float32)
+        if NORM and ADDITIVE:  # the stream (REPLAY: at the group's start, the sources added below)
+            hs = tl.load(stream_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
+            if DT > 0:
+                hs_t = tl.load(stream_ptr + x_off_t, mask=hmask, other=0.0).to(tl.float32)
         if HAS_PRIOR:
             po = tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
             p_alpha = tl.exp(tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0) - lse)
@@ -496,15 +503,19 @@ def _route_bwd(
                 racc += tl.reduce(alpha * v, 0, _ADD, keep_dims=True)
                 if DT > 0:
                     racc_t += tl.reduce(alpha * v_t, 0, _ADD, keep_dims=True)
+            if REPLAY:
+                hs = hs + v
+                if DT > 0:
+                    hs_t = hs_t + v_t
         if NORM:
             # the norm's backward: dx = rstd_n * (weight * dy - x^ <weight * dy, x^> / d), x^ = rstd_n * x
             # over the whole width, x = r (or stream + gate * r); then dout = dx stands for the
             # gradient of the op's output before the norm, dr = dx (or gate * dx), D = <dr, r>_h
             # and the prior's <dr, o>_h
             if ADDITIVE:
-                xn = tl.load(stream_ptr + x_off, mask=xmask, other=0.0).to(tl.float32) + gate * racc
+                xn = hs + gate * racc
                 if DT > 0:
-                    xn_t = tl.load(stream_ptr + x_off_t, mask=hmask, other=0.0).to(tl.float32) + gate_t * racc_t
+                    xn_t = hs_t + gate_t * racc_t
             else:
                 xn = racc
                 if DT > 0:
@@ -1569,10 +1580,12 @@ def _backward(
     gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
     lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], rstd: Optional[Tensor] = None,
     norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0, stream: Optional[Tensor] = None,
-    sink: Optional[SinkBinding] = None,
+    sink: Optional[SinkBinding] = None, stream_replay: bool = False,
 ) -> list[Tensor]:
     """The fused backward (:func:`route_bwd`); with ``sink`` the source gradients are added into
-    the sink's slots inside the kernels and the first returned gradient is an empty tensor."""
+    the sink's slots inside the kernels and the first returned gradient is an empty tensor. With
+    ``stream_replay`` (fused norm, additive form) ``stream`` is the stream at the group's start,
+    and the site's stream is that plus the sources in order (``merge_route_norm``'s ``stream_start``)."""
     like = sources[0] if sources else prior_out
     shape, d = like.shape, like.shape[-1]
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
@@ -1620,6 +1633,7 @@ def _backward(
         dstream = _new(shape if norm_stream else (0,), stream.dtype if norm_stream else torch.float32, device)
         dstream_acc, stream_acc = dstream, 0
     flags["STREAM_ACC"] = stream_acc > 0
+    flags["REPLAY"] = norm_stream and stream_replay
 
     def args(dw: Tensor, dgate: Tensor, dnw: Tensor) -> tuple:
         return (
@@ -1955,9 +1969,6 @@ def _gradients(ctx, grads, backward) -> Optional[tuple]:
     grad_outs, grad_lse = list(grads[: ctx.n_out]), grads[ctx.n_out]
     if all(g is None for g in grad_outs) and grad_lse is None:
         return None
-    replay = getattr(ctx, "stream_replay", None)
-    if replay is not None:  # the stream's value from the sink (GradientSink.collect_stream), not saved
-        stream = replay[0].stream_value(replay[1])
     like = sources[0] if sources else prior_out
     dtype = next((g.dtype for g in grad_outs if g is not None), like.dtype)
     grad_outs = [torch.zeros(like.shape, dtype=dtype, device=like.device) if g is None else g for g in grad_outs]
@@ -1993,22 +2004,23 @@ class _RouteFunction(torch.autograd.Function):
     registered autograd, without the custom op's per-call argument handling (``EAGER_FUNCTION``).
 
     ``apply(heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse,
-    norm_weight, *sources)`` returns the custom op's outputs as a tuple. With ``sink`` (a
+    norm_weight, stream_start, *sources)`` returns the custom op's outputs as a tuple. With ``sink`` (a
     :class:`SinkBinding` of the sources) the sources' gradients are added into the sink inside the
-    backward kernels and autograd gets none for them.
+    backward kernels and autograd gets none for them. With ``stream_start`` (fused norm, additive
+    form: ``stream`` equals it plus the sources added in order) that is saved instead of ``stream``
+    and the backward kernel adds the sources to it again.
     """
 
     @staticmethod
-    def forward(ctx, heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight, *sources):
+    def forward(ctx, heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight, stream_start, *sources):
         outs = _forward(
             list(sources), queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, norm_eps
         )
         n_out = 1 if stream is not None else queries.shape[0]
-        # the fused norm's backward needs the stream: saved, unless the sink gives its value back
-        replay = norm_weight is not None and stream is not None and sink is not None and sink.sink.replays(sink.stream_slot)
-        kept_stream = stream if norm_weight is not None and not replay else None
+        # the fused norm's backward needs the stream: saved, or replayed from the group's start
+        ctx.stream_replay = norm_weight is not None and stream is not None and stream_start is not None
+        kept_stream = (stream_start if ctx.stream_replay else stream) if norm_weight is not None else None
         ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, norm_weight, kept_stream, outs[n_out], outs[n_out + 2], *sources)
-        ctx.stream_replay = (sink.sink, sink.stream_slot) if replay else None
         ctx.heads, ctx.eps, ctx.n_out, ctx.additive, ctx.n_src = heads, eps, n_out, stream is not None, len(sources)
         ctx.norm_eps, ctx.sink, ctx.norm_weight_given = norm_eps, sink, norm_weight is not None
         ctx.mark_non_differentiable(outs[n_out + 1], outs[n_out + 2])
@@ -2019,17 +2031,18 @@ class _RouteFunction(torch.autograd.Function):
     @once_differentiable  # the kernels' gradients are not differentiable again (as with the custom op)
     def backward(ctx, *grads):
         sink = ctx.sink
-        res = _gradients(ctx, grads, _backward if sink is None else functools.partial(_backward, sink=sink))
+        res = _gradients(ctx, grads, functools.partial(_backward, sink=sink, stream_replay=ctx.stream_replay))
         if res is None:
-            return (None,) * (13 + ctx.n_src)
+            return (None,) * (14 + ctx.n_src)
         d_src, *rest = res
         if sink is not None and sink.stream_slot is not None and ctx.norm_weight_given:
             rest[2] = None  # the stream's gradient went into its slot (the fused norm's backward kernel)
-        return (None, None, None, None, None, None, *rest, *(d_src.unbind(0) if sink is None else (None,) * ctx.n_src))
+        return (None, None, None, None, None, None, *rest, None, *(d_src.unbind(0) if sink is None else (None,) * ctx.n_src))
 
 
 def _route(
-    sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, norm_weight=None, norm_eps=0.0, sink=None
+    sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, norm_weight=None, norm_eps=0.0, sink=None,
+    stream_start=None,
 ):
     """:func:`route_fwd` with autograd: the custom op under ``torch.compile``, else (with
     ``EAGER_FUNCTION``) :class:`_RouteFunction`, which runs the same kernels. Whether the forward
@@ -2037,11 +2050,14 @@ def _route(
     its arguments (torch.compile guards on the module settings read here). ``sink``: the
     :class:`SinkBinding` of the sources (the callers bind it, and drop it where they cast the
     sources: the copies' gradients go back through autograd); used on the eager path only: the
-    custom op returns the gradients through autograd, also correct for the aliases."""
+    custom op returns the gradients through autograd, also correct for the aliases.
+    ``stream_start``: see :func:`merge_route_norm`; used on the eager path only (the custom op
+    saves the stream)."""
     save_rstd = _saves_rstd(sources, queries, gains, prior_out is not None)
     if EAGER_FUNCTION and not torch.compiler.is_compiling():
         return _RouteFunction.apply(
-            heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight, *sources
+            heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight,
+            stream_start, *sources,
         )
     return torch.ops.lit_mhar.route_fwd(
         sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, float(norm_eps)
@@ -2168,21 +2184,23 @@ def merge_route_norm(
     gate: Optional[Tensor] = None,
     eps: float = 1e-6,
     grad_sink: Optional[GradientSink] = None,
+    stream_start: Optional[Tensor] = None,
 ) -> Tensor:
     """Second phase fused with the next sublayer's RMSNorm: one kernel forward, one backward.
 
     Same contract as :func:`lit_mhar.kernels.reference.merge_route_norm` (``y = RMSNorm(x) *
     norm_weight``, ``x = r`` or ``stream + gate * r``, never rounded nor written). The backward
     recomputes ``r`` from the prior and the sources, so the forward saves what the merge saves (the
-    prior, its lse, the sources; the stream in the additive form, unless the sink collected it with
-    :meth:`GradientSink.collect_stream` and gives its value back), not the norm's input; the
+    prior, its lse, the sources; in the additive form the stream, or ``stream_start`` where given,
+    from which the backward kernel recomputes the stream by adding the sources it reads anyway),
+    not the norm's input; the
     weight's gradient is summed per persistent program and reduced in a fixed order (deterministic).
     With ``grad_sink`` the backward kernel adds the sources' gradients into the sink, and in the
     additive form the stream's where the sink collected the stream (:meth:`GradientSink.collect`);
     where the sources are cast to a common dtype first, the gradients go through autograd instead
     (the collected aliases add them to their sums: the same totals).
     """
-    check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate)
+    check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate, stream_start)
     _check_dtypes([prior_out])
     binding = None if grad_sink is None else grad_sink.bind(sources, "merge_route_norm", stream=stream if gate is not None else None)
     srcs = _common_dtype(sources) if sources else []
@@ -2191,7 +2209,7 @@ def merge_route_norm(
         srcs, prior_out = [s.to(dtype) for s in srcs], prior_out.to(dtype)
     return _route(
         srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False, norm_weight, float(norm_eps),
-        sink=_uncast(binding, srcs, sources),
+        sink=_uncast(binding, srcs, sources), stream_start=stream_start,
     )[0]
 
 

@@ -59,11 +59,11 @@ SINK_SOURCE_GRADIENTS = True
 # addition. Delta block 0.882 / 0.878 against 0.875 x prenorm at 350m, 0.821 / 0.813 against 0.809
 # at 100m; Delta full 0.689 against 0.681, 0.706 against 0.701 (BENCHMARKS.md, ninth set). A knob.
 SINK_STREAM = True
-# ... and, with the stream collected, its value is not saved for the fused norm's backward: the
-# sink keeps one stream per group of sites (a block, or FULL_ROUTING_GROUP sites) and the sublayer
-# outputs between, and replays the float32 additions in the backward pass, bit-identical
-# (GradientSink.collect_stream). Delta AttnRes kept a float32 stream per sublayer, 4 bytes per
-# element, beyond what the replacement form keeps (BENCHMARKS.md, twelfth set). A knob.
+# Delta AttnRes in full routing: each fused norm's backward recomputes its float32 stream from the
+# stream at its group's start plus the group's sublayer outputs before it (the sources the merge
+# reads anyway; merge_route_norm's stream_start), bit-identical, instead of saving it: 4 bytes
+# per element and sublayer, the memory Delta kept beyond the replacement form (BENCHMARKS.md,
+# twelfth set). Not in block routing, where the sources are rounded running sums. A knob.
 REPLAY_STREAM = True
 
 
@@ -112,11 +112,16 @@ class DepthHistory:
         self.two_phase = bool(two_phase) and self.group_size > 1 and self.sites is not None
         # the complete sources' gradients summed over the phase-one passes (see SINK_SOURCE_GRADIENTS)
         sink = SINK_SOURCE_GRADIENTS and self.two_phase and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        self.sink: Optional[GradientSink] = GradientSink(self.group_size if REPLAY_STREAM else 0) if sink else None
+        self.sink: Optional[GradientSink] = GradientSink() if sink else None
         self.blocks: list[Tensor] = [self._collect(embedding)]
         # site -> (phase-one routed value, its lse, how many of self.blocks phase one covered)
         self._inter: dict[int, tuple[Tensor, Tensor, int]] = {}
         self._frozen = False  # a snapshot() for one site: read-only, routes that site any number of times
+        # the additive form's stream for REPLAY_STREAM: (first site of the group, its stream), the
+        # stream the last append() returned, (site, the stream track_stream() gave it)
+        self._replay: Optional[tuple[int, Tensor]] = None
+        self._stream_next: Optional[Tensor] = None
+        self._stream_site: Optional[tuple[int, Tensor]] = None
 
     def sources(self) -> list[Tensor]:
         """Sources visible to the next routing site, oldest first (N = 1 + completed + started)."""
@@ -131,8 +136,17 @@ class DepthHistory:
         blocks the plain tensor :meth:`append` returns: an alias's own gradient (what tensor hooks
         and ``retain_grad`` on it see) lacks what the sink sums, the plain tensor's is complete."""
         if not SINK_STREAM or self._frozen or self.sink is None or torch.compiler.is_compiling() or self.sink.holds([stream]):
-            return stream  # (under torch.compile, a block compiled on its own, the sink is not traced)
-        return self.sink.collect_stream(stream)
+            tracked = stream  # (under torch.compile, a block compiled on its own, the sink is not traced)
+        else:
+            tracked = self._collect(stream)
+        index = self.n_appended
+        if REPLAY_STREAM and self.two_phase and self.block_size == 1 and not self._frozen:
+            if index % self.group_size == 0:
+                self._replay = (index, tracked)
+            elif stream is not self._stream_next:  # not the stream append() made: no replay until the next group
+                self._replay = None
+            self._stream_site = (index, tracked)
+        return tracked
 
     def append(self, output: Tensor, sublayer: int, stream: Optional[Tensor] = None) -> Optional[Tensor]:
         """Record the raw output ``[..., d]`` of sublayer ``sublayer`` (0-based, in order).
@@ -154,7 +168,10 @@ class DepthHistory:
         if sunk_stream or sunk_partial:
             new_stream, partial = self.sink.advance(stream if sunk_stream else None, self.partial if sunk_partial else None, output)
         if stream is not None and not sunk_stream:
-            new_stream = stream + output
+            new_stream = stream + output  # the addition merge_route_norm's stream_start replays
+        if self._stream_site is None or stream is not self._stream_site[1] or self._stream_site[0] != sublayer:
+            self._replay = None  # the stream is not the one this site's routing read
+        self._stream_next = new_stream
         if not sunk_partial:
             partial = output if self.partial is None else self.partial + output
         self.partial = self._collect(partial)
@@ -226,7 +243,21 @@ class DepthHistory:
         return merge_route_norm(
             newer, site.query, site.key_gain, site.heads, prior_out, prior_lse, norm.weight, eps,
             stream=stream if additive else None, gate=site.gate, eps=site.eps, grad_sink=self._sink_for(newer),
+            stream_start=self._stream_start(stream, len(newer)) if additive else None,
         )
+
+    def _stream_start(self, stream: Optional[Tensor], n_newer: int) -> Optional[Tensor]:
+        """The stream at the start of this site's group where ``stream`` is it plus the ``n_newer``
+        sources added since (REPLAY_STREAM, full routing: the sublayer outputs of the group so
+        far, added by :meth:`append`), else None."""
+        index = self.n_appended
+        if self._frozen or self._replay is None or self._stream_site is None or stream is None:
+            return None
+        first, start = self._replay
+        site, tracked = self._stream_site
+        if site != index or stream is not tracked or first != index - index % self.group_size or n_newer != index - first:
+            return None
+        return start
 
     def _phase_two_inputs(self) -> tuple[Tensor, Tensor, list[Tensor]]:
         """Phase one's routed value and lse for the site about to run, and the sources added since."""

@@ -786,6 +786,47 @@ def test_merge_route_norm_matches_float64_reference_full_grid(n, heads, d, token
     check_merge_route_norm(n, heads, d, tokens, dtype, additive)
 
 
+# (sources, heads, d, tokens, sources' dtype): one tile per head (16), split head widths (96 = 64 + 32)
+STREAM_START_CASES = [(0, 4, 64, 9, torch.float32), (3, 4, 64, 37, torch.bfloat16), (5, 2, 192, 70, torch.bfloat16), (2, 1, 48, 131, torch.float32)]
+
+
+@pytest.mark.parametrize("n,heads,d,tokens,dtype", STREAM_START_CASES, ids=[f"N{c[0]}-H{c[1]}-d{c[2]}-T{c[3]}-{str(c[4])[6:]}" for c in STREAM_START_CASES])
+def test_merge_route_norm_stream_start_gives_identical_gradients_and_saves_it(n, heads, d, tokens, dtype):
+    """merge_route_norm with ``stream_start`` (the stream a float32 sum of it and the sources, in
+    order, as the model's stream is): output and every gradient bit-identical to passing the stream
+    alone, and autograd keeps ``stream_start`` instead of the stream; the reference checks the sum."""
+    g = torch.Generator().manual_seed(n + d)
+    shape = (tokens, d)
+    sources = [(torch.randn(shape, generator=g) * (0.5 + i)).to(DEVICE, dtype) for i in range(n)]
+    start = (100 * torch.randn(shape, generator=g)).to(DEVICE)  # large: each addition rounds
+    stream = start
+    for s_ in sources:
+        stream = stream + s_
+    prior = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    prior_lse = torch.randn((tokens, heads), generator=g).to(DEVICE)
+    query, gain, weight, gate = (torch.randn(d, generator=g).to(DEVICE) for _ in range(4))
+    dy = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    results = []
+    for given in (False, True):
+        leaves = [x.detach().clone().requires_grad_() for x in (*sources, query, gain, prior, prior_lse, weight, stream, gate)]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = tr.merge_route_norm(
+                leaves[:n], leaves[n], leaves[n + 1], heads, leaves[n + 2], leaves[n + 3], leaves[n + 4], 1e-5,
+                stream=leaves[n + 5], gate=leaves[n + 6], stream_start=start if given else None,
+            )
+        assert any(t is (start if given else leaves[n + 5]) for t in saved)
+        assert not any(t is (leaves[n + 5] if given else start) for t in saved)
+        results.append([y, *torch.autograd.grad(y, leaves, dy)])
+    for k, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), k
+    ref_args = dict(sources=sources, query=query, gain=gain, heads=heads, prior_out=prior, prior_lse=prior_lse, norm_weight=weight, norm_eps=1e-5, stream=stream, gate=gate)
+    reference.merge_route_norm(**ref_args, stream_start=start)
+    if n:
+        with pytest.raises(ValueError, match="is not the stream"):
+            reference.merge_route_norm(**{**ref_args, "sources": sources[::-1] if n > 1 else [2 * sources[0]]}, stream_start=start)
+
+
 @pytest.mark.parametrize("impl", [reference.merge_route_norm, tr.merge_route_norm], ids=["reference", "triton"])
 def test_merge_route_norm_refuses_bad_arguments(impl):
     v, q, gn = [torch.randn(3, 8, device=DEVICE)], torch.randn(8, device=DEVICE), torch.ones(8, device=DEVICE)
@@ -807,6 +848,9 @@ def test_merge_route_norm_refuses_bad_arguments(impl):
             (dict(stream=torch.randn(3, 8, device=DEVICE)), "stream and gate go together"),
             (dict(stream=torch.randn(3, 8, device=DEVICE), gate=torch.randn(5, device=DEVICE)), r"gate has shape \(5,\)"),
             (dict(sources=[torch.randn(4, 8, device=DEVICE)]), "prior_out has shape"),
+            (dict(stream_start=torch.randn(3, 8, device=DEVICE)), "stream_start is given without a stream"),
+            (dict(stream=torch.randn(3, 8, device=DEVICE), gate=torch.randn(8, device=DEVICE), stream_start=torch.randn(3, 8, device=DEVICE, dtype=torch.float64)),
+             "stream_start must be a tensor of the stream's shape"),
         ]:
             args = dict(sources=v, query=q, gain=gn, heads=2, prior_out=prior, prior_lse=lse, norm_weight=w, norm_eps=1e-5, stream=None, gate=None, eps=1e-6)
             args.update(bad)
@@ -1102,74 +1146,52 @@ def test_model_stream_sink_matches_autograd(monkeypatch, block_size):
         torch.testing.assert_close(g_on[name], g_off[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("sink", [True, False], ids=["stream-sink", "no-stream-sink"])
 @pytest.mark.parametrize("block_size", [2, 1], ids=["delta-block-S2", "delta-full"])
-def test_model_stream_replay_saves_no_stream_and_gives_identical_gradients(monkeypatch, block_size):
-    """Delta's residual stream replayed by the sink in the backward (REPLAY_STREAM, the default)
-    against saved: the same loss and bit-identical gradients, twice over one graph (retain_graph:
-    the second backward replays again); on, no float32 stream is saved for the backward."""
+def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients(monkeypatch, block_size, sink):
+    """Delta full routing with the stream replayed in the fused norms' backward (REPLAY_STREAM, the
+    default) against saved: the same loss and bit-identical gradients, over one graph twice
+    (retain_graph); autograd keeps one float32 stream per group of sites (2 for 11 sites in groups
+    of 8), not one per site. Block routing saves every stream either way."""
     from lit_mhar import routing
 
-    model = tiny_model("delta", 4, block_size, n_layer=5)  # 11 sites: two groups in full routing
+    monkeypatch.setattr(routing, "SINK_STREAM", sink)
+    model = tiny_model("delta", 4, block_size, n_layer=5)  # 11 sites
     idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    embed = {}
+    def keep(module, args, out):
+        embed["ptr"] = out.untyped_storage().data_ptr()
+
+    model.embed.register_forward_hook(keep)
     results = {}
     for on in (True, False):
         monkeypatch.setattr(routing, "REPLAY_STREAM", on)
-        saved = []
+        streams = set()
 
-        def pack(t):
-            if t.dim() == 3 and t.shape[-1] == 32 and t.dtype == torch.float32 and t.shape[:2] == idx.shape:
-                saved.append(t.untyped_storage().data_ptr())
+        def pack(t):  # float32 [B, T, d] tensors saved other than the embedding (a source too)
+            if t.dim() == 3 and t.shape[:2] == idx.shape and t.shape[-1] == 32 and t.untyped_storage().data_ptr() != embed.get("ptr"):
+                streams.add(t.untyped_storage().data_ptr())
             return t
 
+        grads = []
         model.zero_grad()
         with use_backend("triton"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
-        loss.backward(retain_graph=True)
-        first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad()
-        loss.backward()
-        second = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results[on] = loss.detach(), first, second, len(set(saved))
-    (loss_on, first_on, second_on, saved_on), (loss_off, first_off, second_off, saved_off) = results[True], results[False]
-    assert torch.equal(loss_on, loss_off) and first_on.keys() == first_off.keys()
-    for name in first_off:
-        assert torch.equal(first_on[name], first_off[name]), name
-        assert torch.equal(second_on[name], second_off[name]), name
-    # saved float32 [B, T, d] tensors other than streams (the same with and without replay) plus
-    # the 11 sites' streams (the first is the embedding, which is also the depth history's source 0)
-    assert saved_off - saved_on >= 2 * 5
-
-
-@pytest.mark.parametrize("segment", [1, 3, 16])
-def test_gradient_sink_replays_streams_bit_identically(segment):
-    """GradientSink.collect_stream / stream_value: a chain of float32 streams advanced by bf16
-    outputs, asked for in reverse, in any order, and again, equals the forward's values bit for
-    bit; a stream not made by advance() is kept; a slot without a stream raises."""
-    from lit_mhar.kernels import GradientSink
-
-    g = torch.Generator().manual_seed(9)
-    sink = GradientSink(stream_segment=segment)
-    h = torch.randn(3, 5, 24, generator=g) * 100  # large stream, small outputs: rounding matters
-    values, slots = [], []
-    for step in range(7):
-        if step == 4:  # a stream that advance() did not make: kept
-            h = h * 1.5
-        alias = sink.collect_stream(h)
-        values.append(h.clone())
-        slots.append(len(sink._aliases) - 1)
-        partial = sink.collect(torch.randn(3, 5, 24, generator=g).to(torch.bfloat16))
-        h, _ = sink.advance(alias, partial, (torch.randn(3, 5, 24, generator=g) * 1e-3).to(torch.bfloat16))
-    kept = len(sink._stream_kept)
-    assert kept == (7 if segment == 1 else 3 if segment == 3 else 2)
-    for i in reversed(range(7)):
-        assert torch.equal(sink.stream_value(slots[i]), values[i]), i
-    for i in (5, 2, 6, 0, 3):  # again, in any order
-        assert torch.equal(sink.stream_value(slots[i]), values[i]), i
-    with pytest.raises(RuntimeError, match="holds no residual stream"):
-        sink.stream_value(slots[0] + 1)  # a partial's slot
-    assert not GradientSink().replays(0)
-    with pytest.raises(ValueError, match="stream_segment"):
-        GradientSink(stream_segment=-1)
+        for keep in (True, False):
+            model.zero_grad()
+            loss.backward(retain_graph=keep)
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        results[on] = loss.detach(), grads, len(streams)
+    (loss_on, grads_on, n_on), (loss_off, grads_off, n_off) = results[True], results[False]
+    assert torch.equal(loss_on, loss_off)
+    for got, want in zip(grads_on, grads_off):
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+    if block_size == 1:
+        assert n_off - n_on == 11 - 2  # the sites' streams but the groups' first (the embedding is site 0's)
+    else:
+        assert n_on == n_off
 
 
 @pytest.mark.parametrize("block_size", [2, 1], ids=["delta-block-S2", "delta-full"])
