@@ -71,9 +71,6 @@ def phases(scale: str, name: str) -> dict:
         update()
         torch.cuda.synchronize()
         opt_peak = torch.cuda.max_memory_allocated()
-        del model, optim, loss, x, y
-    gc.collect()
-    torch.cuda.empty_cache()
     top = max(range(len(entries)), key=entries.__getitem__) if entries else -1
     return dict(
         fwd_peak_GiB=f"{fwd_peak / GiB:.2f}", after_fwd_GiB=f"{after_fwd / GiB:.2f}", bwd_peak_GiB=f"{bwd_peak / GiB:.2f}",
@@ -103,6 +100,8 @@ def main(argv=None) -> int:
                 row = dict(scale=args.scale, variant=name, **phases(args.scale, name))
             except Exception as e:  # noqa: BLE001 - one variant's failure is a result; the others still run
                 row = dict(scale=args.scale, variant=name, status=f"error {e!r}"[:200])
+            gc.collect()  # the variant's model and optimiser, gone with phases()'s frame
+            torch.cuda.empty_cache()
             w.writerow(row)
             fh.flush()
             print(json.dumps(row), flush=True)

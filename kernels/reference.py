@@ -231,9 +231,13 @@ def check_merge_norm_args(
         if stream is None:
             raise ValueError("merge_route_norm: stream_start is given without a stream (it belongs to the additive form)")
         if not isinstance(stream_start, Tensor) or stream_start.shape != stream.shape or stream_start.dtype != stream.dtype or stream_start.device != stream.device:
+            got = (
+                f"shape {tuple(stream_start.shape)}, dtype {stream_start.dtype}, device {stream_start.device}"
+                if isinstance(stream_start, Tensor) else repr(stream_start)
+            )
             raise ValueError(
                 f"merge_route_norm: stream_start must be a tensor of the stream's shape {tuple(stream.shape)}, dtype {stream.dtype} "
-                f"and device {stream.device}, got {getattr(stream_start, 'shape', stream_start)!r}"
+                f"and device {stream.device}, got {got}"
             )
 
 
@@ -278,8 +282,9 @@ def merge_route_norm(
             such that ``stream`` equals ``stream_start`` plus the sources added one by one in
             order, in the stream's dtype (full routing: each source is a sublayer output added
             to the stream). The fused kernels then save it instead of ``stream`` (one stream per
-            group instead of one per site) and recompute ``stream`` in the backward. Here it is
-            checked (shape, dtype, device, and the sum itself) and otherwise unused.
+            group instead of one per site) and recompute ``stream`` in the backward, where it is
+            float32 (they add in float32; other dtypes: the stream is saved). Here it is checked
+            (shape, dtype, device, and the sum itself) and otherwise unused.
 
     Returns:
         ``y`` ``[..., d]`` in the dtype of ``prior_out`` promoted with the sources (not with

@@ -379,9 +379,9 @@ def _route_bwd(
     # Source i's gradient goes to dsrc_base + dsrc_offs[i]; with ACC, sources i < n_acc add to it
     # acc_base + acc_offs[i] (a gradient sink's sum so far, see _route_bwd_sources). With
     # STREAM_ACC the stream's gradient (fused norm, additive form) adds dstream_acc_ptr's likewise.
-    # With REPLAY (fused norm, additive form) stream_ptr holds the stream at the group's start and
-    # the stream is that plus the sources, added in order in float32 as the forward's torch
-    # additions did (bit-identical), while pass one reads the sources anyway.
+    # With REPLAY (fused norm, additive form, a float32 stream) stream_ptr holds the stream at the
+    # group's start and the stream is that plus the sources, added in order in float32 as the
+    # forward's torch additions did (bit-identical), while pass one reads the sources anyway.
     # Every lane tensor has a twin ``*_t`` over each head's last DT channels when DT > 0 (see
     # _route_fwd); sums over a head add the two.
     pid = tl.program_id(0)
@@ -2191,9 +2191,9 @@ def merge_route_norm(
     Same contract as :func:`lit_mhar.kernels.reference.merge_route_norm` (``y = RMSNorm(x) *
     norm_weight``, ``x = r`` or ``stream + gate * r``, never rounded nor written). The backward
     recomputes ``r`` from the prior and the sources, so the forward saves what the merge saves (the
-    prior, its lse, the sources; in the additive form the stream, or ``stream_start`` where given,
-    from which the backward kernel recomputes the stream by adding the sources it reads anyway),
-    not the norm's input; the
+    prior, its lse, the sources; in the additive form the stream, or ``stream_start`` where given
+    and float32, from which the backward kernel recomputes the stream by adding the sources it
+    reads anyway), not the norm's input; the
     weight's gradient is summed per persistent program and reduced in a fixed order (deterministic).
     With ``grad_sink`` the backward kernel adds the sources' gradients into the sink, and in the
     additive form the stream's where the sink collected the stream (:meth:`GradientSink.collect`);
@@ -2202,6 +2202,8 @@ def merge_route_norm(
     """
     check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate, stream_start)
     _check_dtypes([prior_out])
+    if stream_start is not None and stream_start.dtype != torch.float32:
+        stream_start = None  # the kernel adds in float32; a bf16 / fp16 stream rounds after each addition: saved instead
     binding = None if grad_sink is None else grad_sink.bind(sources, "merge_route_norm", stream=stream if gate is not None else None)
     srcs = _common_dtype(sources) if sources else []
     if srcs and srcs[0].dtype != prior_out.dtype:

@@ -63,7 +63,9 @@ SINK_STREAM = True
 # stream at its group's start plus the group's sublayer outputs before it (the sources the merge
 # reads anyway; merge_route_norm's stream_start), bit-identical, instead of saving it: 4 bytes
 # per element and sublayer, the memory Delta kept beyond the replacement form (BENCHMARKS.md,
-# twelfth set). Not in block routing, where the sources are rounded running sums. A knob.
+# twelfth set). Only for a float32 stream (as under autocast; the kernel adds in float32), not in
+# block routing, where the sources are rounded running sums, nor for activation checkpointing,
+# whose recomputed sublayers route from snapshots. A knob.
 REPLAY_STREAM = True
 
 
@@ -256,6 +258,8 @@ class DepthHistory:
         first, start = self._replay
         site, tracked = self._stream_site
         if site != index or stream is not tracked or first != index - index % self.group_size or n_newer != index - first:
+            return None
+        if start.dtype != torch.float32 or stream.dtype != torch.float32:  # the kernel's additions are float32's
             return None
         return start
 

@@ -795,19 +795,28 @@ def test_merge_route_norm_matches_float64_reference_full_grid(n, heads, d, token
     check_merge_route_norm(n, heads, d, tokens, dtype, additive)
 
 
-# (sources, heads, d, tokens, sources' dtype): one tile per head (16), split head widths (96 = 64 + 32)
-STREAM_START_CASES = [(0, 4, 64, 9, torch.float32), (3, 4, 64, 37, torch.bfloat16), (5, 2, 192, 70, torch.bfloat16), (2, 1, 48, 131, torch.float32)]
+# (sources, heads, d, tokens, sources' dtype, stream's dtype): one tile per head (16), split head
+# widths (96 = 64 + 32), a bf16 stream (which the kernels save instead: they add in float32)
+STREAM_START_CASES = [
+    (0, 4, 64, 9, torch.float32, torch.float32), (3, 4, 64, 37, torch.bfloat16, torch.float32),
+    (5, 2, 192, 70, torch.bfloat16, torch.float32), (2, 1, 48, 131, torch.float32, torch.float32),
+    (3, 2, 64, 37, torch.bfloat16, torch.bfloat16),
+]
 
 
-@pytest.mark.parametrize("n,heads,d,tokens,dtype", STREAM_START_CASES, ids=[f"N{c[0]}-H{c[1]}-d{c[2]}-T{c[3]}-{str(c[4])[6:]}" for c in STREAM_START_CASES])
-def test_merge_route_norm_stream_start_gives_identical_gradients_and_saves_it(n, heads, d, tokens, dtype):
-    """merge_route_norm with ``stream_start`` (the stream a float32 sum of it and the sources, in
-    order, as the model's stream is): output and every gradient bit-identical to passing the stream
-    alone, and autograd keeps ``stream_start`` instead of the stream; the reference checks the sum."""
+@pytest.mark.parametrize(
+    "n,heads,d,tokens,dtype,stream_dtype", STREAM_START_CASES,
+    ids=[f"N{c[0]}-H{c[1]}-d{c[2]}-T{c[3]}-{str(c[4])[6:]}-stream-{str(c[5])[6:]}" for c in STREAM_START_CASES],
+)
+def test_merge_route_norm_stream_start_gives_identical_gradients_and_saves_it(n, heads, d, tokens, dtype, stream_dtype):
+    """merge_route_norm with ``stream_start`` (the stream a sum of it and the sources, in order, as
+    the model's stream is): output and every gradient bit-identical to passing the stream alone,
+    and autograd keeps ``stream_start`` instead of a float32 stream (a bf16 stream is kept as it
+    is); the reference checks the sum."""
     g = torch.Generator().manual_seed(n + d)
     shape = (tokens, d)
     sources = [(torch.randn(shape, generator=g) * (0.5 + i)).to(DEVICE, dtype) for i in range(n)]
-    start = (100 * torch.randn(shape, generator=g)).to(DEVICE)  # large: each addition rounds
+    start = (100 * torch.randn(shape, generator=g)).to(DEVICE, stream_dtype)  # large: each addition rounds
     stream = start
     for s_ in sources:
         stream = stream + s_
@@ -824,8 +833,9 @@ def test_merge_route_norm_stream_start_gives_identical_gradients_and_saves_it(n,
                 leaves[:n], leaves[n], leaves[n + 1], heads, leaves[n + 2], leaves[n + 3], leaves[n + 4], 1e-5,
                 stream=leaves[n + 5], gate=leaves[n + 6], stream_start=start if given else None,
             )
-        assert any(t is (start if given else leaves[n + 5]) for t in saved)
-        assert not any(t is (leaves[n + 5] if given else start) for t in saved)
+        replayed = given and stream_dtype == torch.float32
+        assert any(t is (start if replayed else leaves[n + 5]) for t in saved)
+        assert not any(t is (leaves[n + 5] if replayed else start) for t in saved)
         results.append([y, *torch.autograd.grad(y, leaves, dy)])
     for k, (a, b) in enumerate(zip(*results)):
         assert torch.equal(a, b), k
@@ -1155,40 +1165,50 @@ def test_model_stream_sink_matches_autograd(monkeypatch, block_size):
         torch.testing.assert_close(g_on[name], g_off[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+# (block size, model dtype, a block's output changed by a forward hook): full routing's replay,
+# with a bf16 stream (not replayed: the kernel adds in float32), with the stream changed outside
+# DepthHistory.append before site 4 (sites 4-7 not replayed, the next group again), block routing
+REPLAY_MODEL_CASES = [(1, torch.float32, False, 9), (1, torch.bfloat16, False, 0), (1, torch.float32, True, 5), (2, torch.float32, False, 0)]
+
+
 @pytest.mark.parametrize("sink", [True, False], ids=["stream-sink", "no-stream-sink"])
-@pytest.mark.parametrize("block_size", [2, 1], ids=["delta-block-S2", "delta-full"])
-def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients(monkeypatch, block_size, sink):
+@pytest.mark.parametrize("block_size,dtype,changed,fewer", REPLAY_MODEL_CASES, ids=["delta-full", "delta-full-bf16", "delta-full-stream-changed", "delta-block-S2"])
+def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients(monkeypatch, block_size, dtype, changed, fewer, sink):
     """Delta full routing with the stream replayed in the fused norms' backward (REPLAY_STREAM, the
     default) against saved: the same loss and bit-identical gradients, over one graph twice
     (retain_graph); autograd keeps one float32 stream per group of sites (2 for 11 sites in groups
-    of 8), not one per site. Block routing saves every stream either way."""
+    of 8), not one per site, where the stream is float32 and made by DepthHistory.append since the
+    group's first site; otherwise it saves the site's stream (``fewer``: streams no longer saved)."""
     from lit_mhar import routing
 
     monkeypatch.setattr(routing, "SINK_STREAM", sink)
-    model = tiny_model("delta", 4, block_size, n_layer=5)  # 11 sites
+    model = tiny_model("delta", 4, block_size, n_layer=5).to(dtype)  # 11 sites
     idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(8)).to(DEVICE)
     embed = {}
-    def keep(module, args, out):
+
+    def embedded(module, args, out):
         embed["ptr"] = out.untyped_storage().data_ptr()
 
-    model.embed.register_forward_hook(keep)
+    model.embed.register_forward_hook(embedded)
+    if changed:  # the stream after block 1 (before site 4) is not the one append() returned
+        model.blocks[1].register_forward_hook(lambda module, args, out: out + 1000)
     results = {}
     for on in (True, False):
         monkeypatch.setattr(routing, "REPLAY_STREAM", on)
         streams = set()
 
-        def pack(t):  # float32 [B, T, d] tensors saved other than the embedding (a source too)
-            if t.dim() == 3 and t.shape[:2] == idx.shape and t.shape[-1] == 32 and t.untyped_storage().data_ptr() != embed.get("ptr"):
+        def pack(t):  # [B, T, d] streams saved, other than the embedding (a source too)
+            if t.dim() == 3 and t.shape[:2] == idx.shape and t.shape[-1] == 32 and t.dtype == dtype and t.untyped_storage().data_ptr() != embed.get("ptr"):
                 streams.add(t.untyped_storage().data_ptr())
             return t
 
         grads = []
         model.zero_grad()
         with use_backend("triton"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
-        for keep in (True, False):
+            loss = torch.nn.functional.cross_entropy(model(idx).float().flatten(0, 1), idx.flatten())
+        for retain in (True, False):
             model.zero_grad()
-            loss.backward(retain_graph=keep)
+            loss.backward(retain_graph=retain)
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         results[on] = loss.detach(), grads, len(streams)
     (loss_on, grads_on, n_on), (loss_off, grads_off, n_off) = results[True], results[False]
@@ -1197,10 +1217,7 @@ def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients
         assert got.keys() == want.keys()
         for name in want:
             assert torch.equal(got[name], want[name]), name
-    if block_size == 1:
-        assert n_off - n_on == 11 - 2  # the sites' streams but the groups' first (the embedding is site 0's)
-    else:
-        assert n_on == n_off
+    assert n_off - n_on == fewer
 
 
 @pytest.mark.parametrize("block_size", [2, 1], ids=["delta-block-S2", "delta-full"])
