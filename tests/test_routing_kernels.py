@@ -1165,15 +1165,21 @@ def test_model_stream_sink_matches_autograd(monkeypatch, block_size):
         torch.testing.assert_close(g_on[name], g_off[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-# (block size, model dtype, a block's output changed by a forward hook): full routing's replay,
-# with a bf16 stream (not replayed: the kernel adds in float32), with the stream changed outside
+# (block size, model dtype, a block's output changed by a forward hook, the stream's gradient in the
+# sink, streams no longer saved): full routing's replay with and without the stream sink, with a
+# bf16 stream (not replayed: the kernel adds in float32), with the stream changed outside
 # DepthHistory.append before site 4 (sites 4-7 not replayed, the next group again), block routing
-REPLAY_MODEL_CASES = [(1, torch.float32, False, 9), (1, torch.bfloat16, False, 0), (1, torch.float32, True, 5), (2, torch.float32, False, 0)]
+REPLAY_MODEL_CASES = [
+    (1, torch.float32, False, True, 9), (1, torch.float32, False, False, 9), (1, torch.bfloat16, False, True, 0),
+    (1, torch.float32, True, True, 5), (2, torch.float32, False, True, 0),
+]
 
 
-@pytest.mark.parametrize("sink", [True, False], ids=["stream-sink", "no-stream-sink"])
-@pytest.mark.parametrize("block_size,dtype,changed,fewer", REPLAY_MODEL_CASES, ids=["delta-full", "delta-full-bf16", "delta-full-stream-changed", "delta-block-S2"])
-def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients(monkeypatch, block_size, dtype, changed, fewer, sink):
+@pytest.mark.parametrize(
+    "block_size,dtype,changed,sink,fewer", REPLAY_MODEL_CASES,
+    ids=["delta-full", "delta-full-no-stream-sink", "delta-full-bf16", "delta-full-stream-changed", "delta-block-S2"],
+)
+def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients(monkeypatch, block_size, dtype, changed, sink, fewer):
     """Delta full routing with the stream replayed in the fused norms' backward (REPLAY_STREAM, the
     default) against saved: the same loss and bit-identical gradients, over one graph twice
     (retain_graph); autograd keeps one float32 stream per group of sites (2 for 11 sites in groups
