@@ -150,8 +150,9 @@ def compile_sublayers(model: LM) -> None:
 
 
 def training_parts(scale, overrides, batch, seq, compile_):
-    """``(model, optimiser, inputs, targets)`` of a variant: the LM on the device (its sublayers
-    compiled with ``compile_``), fused AdamW and fixed random tokens ``[batch, seq]``."""
+    """``(model, forward, update)`` of a variant: the LM on the device (its sublayers compiled with
+    ``compile_``); ``forward()`` returns the loss (bf16 autocast, cross-entropy on fixed random
+    tokens ``[batch, seq]``); ``update()`` clips the gradients and takes a fused AdamW step."""
     layers = SCALES[scale][2]
     kw = dict(overrides)
     # full routing's two-phase group size is a module setting, not a config field: set per variant
@@ -167,22 +168,30 @@ def training_parts(scale, overrides, batch, seq, compile_):
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=DEVICE == "cuda")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=DEVICE, generator=gen)
-    return model, opt, idx[:, :-1], idx[:, 1:]
+    x, y = idx[:, :-1], idx[:, 1:]
+
+    def forward():
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            logits = model(x)
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return model, forward, update
 
 
 def training_step(scale, overrides, batch, seq, compile_):
     """``(model, step)``: the variant's LM on the device and a closure running one optimiser step
-    (bf16 autocast, cross-entropy on fixed random tokens, clipping, fused AdamW) that returns the loss."""
-    model, opt, x, y = training_parts(scale, overrides, batch, seq, compile_)
+    (:func:`training_parts`' forward, backward, update) that returns the loss."""
+    model, forward, update = training_parts(scale, overrides, batch, seq, compile_)
 
     def step():
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss = forward()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        update()
         return loss
 
     return model, step

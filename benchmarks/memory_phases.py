@@ -32,18 +32,7 @@ def phases(scale: str, name: str) -> dict:
     overrides, knob_names = split_variant(name)
     batch, seq, _ = SCALES[scale]
     with knobs(knob_names):
-        model, optim, x, y = training_parts(scale, overrides, batch, seq, compile_=True)
-
-        def forward():
-            with torch.autocast(DEVICE, dtype=torch.bfloat16):
-                logits = model(x)
-            return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-        def update():
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-
+        _, forward, update = training_parts(scale, overrides, batch, seq, compile_=True)
         for _ in range(2):  # bench_training's step: compiles, allocates the optimiser's state
             forward().backward()
             update()
