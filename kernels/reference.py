@@ -204,7 +204,7 @@ def merge_route(
 def check_merge_norm_args(
     sources: Sequence[Tensor], query: Tensor, gain: Tensor, heads: int, prior_out: Tensor, prior_lse: Tensor,
     norm_weight: Tensor, norm_eps: float, eps: float, stream: Optional[Tensor] = None, gate: Optional[Tensor] = None,
-    stream_start: Optional[Tensor] = None,
+    stream_start: Optional[Tensor] = None, block_outputs: Optional[Sequence[Tensor]] = None,
 ) -> None:
     """Validate :func:`merge_route_norm`'s arguments before any work; raise ValueError naming the bad one."""
     if not isinstance(prior_out, Tensor) or prior_out.dim() < 1 or not prior_out.is_floating_point():
@@ -239,6 +239,20 @@ def check_merge_norm_args(
                 f"merge_route_norm: stream_start must be a tensor of the stream's shape {tuple(stream.shape)}, dtype {stream.dtype} "
                 f"and device {stream.device}, got {got}"
             )
+    if block_outputs is not None:
+        if stream_start is None:
+            raise ValueError("merge_route_norm: block_outputs is given without stream_start (it rebuilds the stream from the block's start)")
+        if len(sources) != 1:
+            raise ValueError(f"merge_route_norm: block_outputs needs exactly one source (the running sum of the block in progress), got {len(sources)}")
+        if isinstance(block_outputs, Tensor) or len(block_outputs) == 0:
+            raise ValueError("merge_route_norm: block_outputs must be a non-empty list of tensors (the block's sublayer outputs so far)")
+        for k, o in enumerate(block_outputs):
+            if not isinstance(o, Tensor) or o.shape != sources[0].shape or o.dtype != sources[0].dtype or o.device != sources[0].device:
+                got = f"shape {tuple(o.shape)}, dtype {o.dtype}, device {o.device}" if isinstance(o, Tensor) else repr(o)
+                raise ValueError(
+                    f"merge_route_norm: block_outputs[{k}] must be a tensor of the source's shape {tuple(sources[0].shape)}, "
+                    f"dtype {sources[0].dtype} and device {sources[0].device}, got {got}"
+                )
 
 
 def merge_route_norm(
@@ -255,6 +269,7 @@ def merge_route_norm(
     eps: float = 1e-6,
     grad_sink: Optional[GradientSink] = None,
     stream_start: Optional[Tensor] = None,
+    block_outputs: Optional[Sequence[Tensor]] = None,
 ) -> Tensor:
     """Second phase of two-phase routing fused with the next sublayer's RMSNorm (training).
 
@@ -285,6 +300,14 @@ def merge_route_norm(
             group instead of one per site) and recompute ``stream`` in the backward, where it is
             float32 (they add in float32; other dtypes: the stream is saved). Here it is checked
             (shape, dtype, device, and the sum itself) and otherwise unused.
+        block_outputs: with ``stream_start``, in block routing (Block AttnRes): the sublayer
+            outputs ``[..., d]`` of the block in progress so far, in order (at least one), such
+            that the one source is their running sum, added one by one in the source's dtype
+            (each addition rounded to it, as the model's additions are), and ``stream`` is
+            ``stream_start`` plus them added one by one. The fused kernels then save the outputs
+            and the block's start instead of the running sum and the stream, and recompute both
+            in the backward, where the stream is float32 and the source bf16 or float32 (else
+            both are saved). Checked here (shapes, dtypes, devices and both sums), otherwise unused.
 
     Returns:
         ``y`` ``[..., d]`` in the dtype of ``prior_out`` promoted with the sources (not with
@@ -294,15 +317,26 @@ def merge_route_norm(
     Raises:
         ValueError: a shape, device, dtype, ``heads`` or epsilon that does not fit; ``stream``
             without ``gate`` or the reverse; ``stream_start`` without ``stream``, or one from
-            which the sources do not add up to ``stream``.
+            which the sources (or ``block_outputs``) do not add up to ``stream``;
+            ``block_outputs`` without ``stream_start``, with other than one source, empty, of
+            another shape, dtype or device than the source, or whose running sum is not the source.
     """
-    check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate, stream_start)
+    check_merge_norm_args(
+        sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate, stream_start, block_outputs
+    )
     if stream_start is not None:
         replayed = stream_start.detach()
-        for s_ in sources:
+        for s_ in block_outputs if block_outputs is not None else sources:
             replayed = replayed + s_.detach()
         if not torch.equal(replayed, stream.detach()):
-            raise ValueError("merge_route_norm: stream_start plus the sources, added in order, is not the stream; pass stream_start=None")
+            what = "block_outputs" if block_outputs is not None else "the sources"
+            raise ValueError(f"merge_route_norm: stream_start plus {what}, added in order, is not the stream; pass stream_start=None")
+    if block_outputs is not None:
+        running = block_outputs[0].detach()
+        for o in block_outputs[1:]:
+            running = running + o.detach()
+        if not torch.equal(running, sources[0].detach()):
+            raise ValueError("merge_route_norm: the running sum of block_outputs, added in order, is not the source; pass block_outputs=None")
     if grad_sink is not None:
         sources = grad_sink.feed(sources, "merge_route_norm")
     routed, _ = _route_with_prior(sources, query, gain, heads, (prior_out, prior_lse), None, eps, round_out=False)

@@ -225,6 +225,10 @@ DOT_FWD_MIN_SITES = 2
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Running sums the backward kernel rebuilds from a block's outputs (merge_route_norm's
+# block_outputs): bf16, rounded to nearest even after each addition as torch's additions are, and
+# float32; an fp16 running sum is saved.
+REBUILD_DTYPES = (torch.float32, torch.bfloat16)
 # Tests set this to fill every kernel output with NaN before the launch, so that an element the
 # kernel fails to write cannot pass as a plausible value.
 POISON_OUTPUTS = False
@@ -362,7 +366,7 @@ def _route_fwd(
 
 
 def _route_bwd(
-    src_base, src_offs, n_src,
+    src_base, src_offs, n_src, n_rep,
     w_ptr, n_sites,
     g_base, g_offs,
     lse_ptr, dlse_ptr,
@@ -375,7 +379,7 @@ def _route_bwd(
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr, PF: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_DLSE: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
-    STREAM_ACC: tl.constexpr, REPLAY: tl.constexpr,
+    STREAM_ACC: tl.constexpr, REPLAY: tl.constexpr, REBUILD: tl.constexpr,
 ):
     # Source i's gradient goes to dsrc_base + dsrc_offs[i]; with ACC, sources i < n_acc add to it
     # acc_base + acc_offs[i] (a gradient sink's sum so far, see _route_bwd_sources). With
@@ -383,6 +387,10 @@ def _route_bwd(
     # With REPLAY (fused norm, additive form, a float32 stream) stream_ptr holds the stream at the
     # group's start and the stream is that plus the sources, added in order in float32 as the
     # forward's torch additions did (bit-identical), while pass one reads the sources anyway.
+    # With REBUILD too (block routing, n_src == 1) the table holds n_rep tensors, a block's outputs:
+    # the one source is their running sum, rebuilt in both passes and rounded to the sources' dtype
+    # after each addition as torch's additions round (bf16: to nearest even, on the bits, since
+    # the interpreter's cast truncates), and the stream adds the outputs, not the running sum.
     # Every lane tensor has a twin ``*_t`` over each head's last DT channels when DT > 0 (see
     # _route_fwd); sums over a head add the two.
     pid = tl.program_id(0)
@@ -468,6 +476,29 @@ def _route_bwd(
         v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
         if DT > 0:
             v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 0, M, 0)) & (h_i < H), other=0.0)
+        if REBUILD:  # source 0: the running sum of the table's n_rep outputs; the stream adds each
+            hs = hs + v_next.to(tl.float32)
+            if DT > 0:
+                hs_t = hs_t + v_next_t.to(tl.float32)
+            for k in range(1, n_rep):
+                o_off = tl.multiple_of(tl.load(src_offs + k), ALIGN)
+                o = tl.load(src_base + o_off + x_off, mask=xmask, other=0.0).to(tl.float32)
+                hs = hs + o
+                acc_s = v_next.to(tl.float32) + o
+                if src_base.dtype.element_ty == tl.bfloat16:  # round to nearest even on the bits
+                    bits = acc_s.to(tl.uint32, bitcast=True)
+                    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+                    acc_s = tl.where(acc_s == acc_s, bits.to(tl.float32, bitcast=True), acc_s)
+                v_next = acc_s.to(src_base.dtype.element_ty)
+                if DT > 0:
+                    o_t = tl.load(src_base + o_off + x_off_t, mask=hmask, other=0.0).to(tl.float32)
+                    hs_t = hs_t + o_t
+                    acc_t = v_next_t.to(tl.float32) + o_t
+                    if src_base.dtype.element_ty == tl.bfloat16:
+                        bits_t = acc_t.to(tl.uint32, bitcast=True)
+                        bits_t = ((bits_t + 0x7FFF + ((bits_t >> 16) & 1)) >> 16) << 16
+                        acc_t = tl.where(acc_t == acc_t, bits_t.to(tl.float32, bitcast=True), acc_t)
+                    v_next_t = acc_t.to(src_base.dtype.element_ty)
         if PF == 2:  # a second source in flight
             off = tl.multiple_of(tl.load(src_offs + 1), ALIGN)
             v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 1, M, 0)) & cmask, other=0.0)
@@ -505,9 +536,10 @@ def _route_bwd(
                 if DT > 0:
                     racc_t += tl.reduce(alpha * v_t, 0, _ADD, keep_dims=True)
             if REPLAY:
-                hs = hs + v
-                if DT > 0:
-                    hs_t = hs_t + v_t
+                if not REBUILD:  # (REBUILD: the stream added the outputs above)
+                    hs = hs + v
+                    if DT > 0:
+                        hs_t = hs_t + v_t
         if NORM:
             # the norm's backward: dx = rstd_n * (weight * dy - x^ <weight * dy, x^> / d), x^ = rstd_n * x
             # over the whole width, x = r (or stream + gate * r); then dout = dx stands for the
@@ -576,6 +608,22 @@ def _route_bwd(
         v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
         if DT > 0:
             v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 0, M, 0)) & (h_i < H), other=0.0)
+        if REBUILD:  # the running sum again, as in pass one
+            for k in range(1, n_rep):
+                o_off = tl.multiple_of(tl.load(src_offs + k), ALIGN)
+                acc_s = v_next.to(tl.float32) + tl.load(src_base + o_off + x_off, mask=xmask, other=0.0).to(tl.float32)
+                if src_base.dtype.element_ty == tl.bfloat16:
+                    bits = acc_s.to(tl.uint32, bitcast=True)
+                    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+                    acc_s = tl.where(acc_s == acc_s, bits.to(tl.float32, bitcast=True), acc_s)
+                v_next = acc_s.to(src_base.dtype.element_ty)
+                if DT > 0:
+                    acc_t = v_next_t.to(tl.float32) + tl.load(src_base + o_off + x_off_t, mask=hmask, other=0.0).to(tl.float32)
+                    if src_base.dtype.element_ty == tl.bfloat16:
+                        bits_t = acc_t.to(tl.uint32, bitcast=True)
+                        bits_t = ((bits_t + 0x7FFF + ((bits_t >> 16) & 1)) >> 16) << 16
+                        acc_t = tl.where(acc_t == acc_t, bits_t.to(tl.float32, bitcast=True), acc_t)
+                    v_next_t = acc_t.to(src_base.dtype.element_ty)
         if PF == 2:  # a second source in flight
             off = tl.multiple_of(tl.load(src_offs + 1), ALIGN)
             v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 1, M, 0)) & cmask, other=0.0)
@@ -1581,15 +1629,17 @@ def _backward(
     gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
     lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], rstd: Optional[Tensor] = None,
     norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0, stream: Optional[Tensor] = None,
-    sink: Optional[SinkBinding] = None, stream_replay: bool = False,
+    sink: Optional[SinkBinding] = None, stream_replay: bool = False, rebuild: bool = False,
 ) -> list[Tensor]:
     """The fused backward (:func:`route_bwd`); with ``sink`` the source gradients are added into
     the sink's slots inside the kernels and the first returned gradient is an empty tensor. With
     ``stream_replay`` (fused norm, additive form) ``stream`` is the stream at the group's start,
-    and the site's stream is that plus the sources in order (``merge_route_norm``'s ``stream_start``)."""
+    and the site's stream is that plus the sources in order (``merge_route_norm``'s ``stream_start``);
+    with ``rebuild`` too, ``sources`` are a block's outputs, whose running sum is the one source and
+    which the stream adds instead (``block_outputs``)."""
     like = sources[0] if sources else prior_out
     shape, d = like.shape, like.shape[-1]
-    n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
+    n_sites, n_src, M = queries.shape[0], (1 if rebuild else len(sources)), like.numel() // d
     device = like.device
     interpret = device.type != "cuda"
     if _uses_site_loop(n_sites, n_src, prior_out is not None):
@@ -1609,14 +1659,14 @@ def _backward(
     dprior_lse = _new(prior_lse.shape if prior_lse is not None else (0,), torch.float32, device)
     dummy = w
     flags = dict(
-        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, DT=dt, PF=PREFETCH["bwd"], BS=bs, BM=bm,
+        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, DT=dt, PF=1 if rebuild else PREFETCH["bwd"], BS=bs, BM=bm,
         ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(),
         ADDITIVE=gate is not None, HAS_PRIOR=prior_out is not None, HAS_DLSE=grad_lse is not None,
         NORM=norm_weight is not None, ACC=n_acc > 0, num_warps=warps,
     )
 
     head = (
-        base, _offsets(srcs, base), n_src,
+        base, _offsets(srcs, base), n_src, len(srcs),
         w, n_sites,
         grads[0], _offsets(grads, grads[0]),
         lse.contiguous(), grad_lse.contiguous() if grad_lse is not None else dummy,
@@ -1635,6 +1685,9 @@ def _backward(
         dstream_acc, stream_acc = dstream, 0
     flags["STREAM_ACC"] = stream_acc > 0
     flags["REPLAY"] = norm_stream and stream_replay
+    flags["REBUILD"] = flags["REPLAY"] and rebuild
+    if rebuild and not flags["REBUILD"]:
+        raise ValueError("triton depth routing: rebuilding a block's running sum needs the fused norm's replayed stream")
 
     def args(dw: Tensor, dgate: Tensor, dnw: Tensor) -> tuple:
         return (
@@ -2005,23 +2058,30 @@ class _RouteFunction(torch.autograd.Function):
     registered autograd, without the custom op's per-call argument handling (``EAGER_FUNCTION``).
 
     ``apply(heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse,
-    norm_weight, stream_start, *sources)`` returns the custom op's outputs as a tuple. With ``sink`` (a
-    :class:`SinkBinding` of the sources) the sources' gradients are added into the sink inside the
-    backward kernels and autograd gets none for them. With ``stream_start`` (fused norm, additive
-    form: ``stream`` equals it plus the sources added in order) that is saved instead of ``stream``
-    and the backward kernel adds the sources to it again.
+    norm_weight, stream_start, block_outputs, *sources)`` returns the custom op's outputs as a tuple. With
+    ``sink`` (a :class:`SinkBinding` of the sources) the sources' gradients are added into the sink
+    inside the backward kernels and autograd gets none for them. With ``stream_start`` (fused
+    norm, additive form: ``stream`` equals it plus the sources added in order) that is saved
+    instead of ``stream`` and the backward kernel adds the sources to it again; with
+    ``block_outputs`` too (a tuple: the one source is their running sum, ``stream`` the start plus
+    them) the outputs are saved instead of the source, and the kernel rebuilds both from them.
     """
 
     @staticmethod
-    def forward(ctx, heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight, stream_start, *sources):
+    def forward(
+        ctx, heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight,
+        stream_start, block_outputs, *sources,
+    ):
         outs = _forward(
             list(sources), queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, norm_eps
         )
         n_out = 1 if stream is not None else queries.shape[0]
         # the fused norm's backward needs the stream: saved, or replayed from the group's start
         ctx.stream_replay = norm_weight is not None and stream is not None and stream_start is not None
+        ctx.rebuild = ctx.stream_replay and block_outputs is not None and len(sources) == 1
         kept_stream = (stream_start if ctx.stream_replay else stream) if norm_weight is not None else None
-        ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, norm_weight, kept_stream, outs[n_out], outs[n_out + 2], *sources)
+        kept = block_outputs if ctx.rebuild else sources  # the block's outputs rebuild its running sum
+        ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, norm_weight, kept_stream, outs[n_out], outs[n_out + 2], *kept)
         ctx.heads, ctx.eps, ctx.n_out, ctx.additive, ctx.n_src = heads, eps, n_out, stream is not None, len(sources)
         ctx.norm_eps, ctx.sink, ctx.norm_weight_given = norm_eps, sink, norm_weight is not None
         ctx.mark_non_differentiable(outs[n_out + 1], outs[n_out + 2])
@@ -2032,18 +2092,18 @@ class _RouteFunction(torch.autograd.Function):
     @once_differentiable  # the kernels' gradients are not differentiable again (as with the custom op)
     def backward(ctx, *grads):
         sink = ctx.sink
-        res = _gradients(ctx, grads, functools.partial(_backward, sink=sink, stream_replay=ctx.stream_replay))
+        res = _gradients(ctx, grads, functools.partial(_backward, sink=sink, stream_replay=ctx.stream_replay, rebuild=ctx.rebuild))
         if res is None:
-            return (None,) * (14 + ctx.n_src)
+            return (None,) * (15 + ctx.n_src)
         d_src, *rest = res
         if sink is not None and sink.stream_slot is not None and ctx.norm_weight_given:
             rest[2] = None  # the stream's gradient went into its slot (the fused norm's backward kernel)
-        return (None, None, None, None, None, None, *rest, None, *(d_src.unbind(0) if sink is None else (None,) * ctx.n_src))
+        return (None, None, None, None, None, None, *rest, None, None, *(d_src.unbind(0) if sink is None else (None,) * ctx.n_src))
 
 
 def _route(
     sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, norm_weight=None, norm_eps=0.0, sink=None,
-    stream_start=None,
+    stream_start=None, block_outputs=None,
 ):
     """:func:`route_fwd` with autograd: the custom op under ``torch.compile``, else (with
     ``EAGER_FUNCTION``) :class:`_RouteFunction`, which runs the same kernels. Whether the forward
@@ -2052,13 +2112,13 @@ def _route(
     :class:`SinkBinding` of the sources (the callers bind it, and drop it where they cast the
     sources: the copies' gradients go back through autograd); used on the eager path only: the
     custom op returns the gradients through autograd, also correct for the aliases.
-    ``stream_start``: see :func:`merge_route_norm`; used on the eager path only (the custom op
-    saves the stream)."""
+    ``stream_start``, ``block_outputs``: see :func:`merge_route_norm`; used on the eager path only
+    (the custom op saves the stream and the sources)."""
     save_rstd = _saves_rstd(sources, queries, gains, prior_out is not None)
     if EAGER_FUNCTION and not torch.compiler.is_compiling():
         return _RouteFunction.apply(
             heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight,
-            stream_start, *sources,
+            stream_start, None if block_outputs is None else tuple(block_outputs), *sources,
         )
     return torch.ops.lit_mhar.route_fwd(
         sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, float(norm_eps)
@@ -2186,6 +2246,7 @@ def merge_route_norm(
     eps: float = 1e-6,
     grad_sink: Optional[GradientSink] = None,
     stream_start: Optional[Tensor] = None,
+    block_outputs: Optional[Sequence[Tensor]] = None,
 ) -> Tensor:
     """Second phase fused with the next sublayer's RMSNorm: one kernel forward, one backward.
 
@@ -2194,14 +2255,19 @@ def merge_route_norm(
     recomputes ``r`` from the prior and the sources, so the forward saves what the merge saves (the
     prior, its lse, the sources; in the additive form the stream, or ``stream_start`` where given
     and float32, from which the backward kernel recomputes the stream by adding the sources it
-    reads anyway), not the norm's input; the
+    reads anyway; with ``block_outputs`` too, block routing, the block's outputs so far instead of
+    its running sum and the stream: the backward kernel rebuilds the running sum, rounding after
+    each addition as torch does, and the stream from them, where the running sum is bf16 or
+    float32 and read uncast), not the norm's input; the
     weight's gradient is summed per persistent program and reduced in a fixed order (deterministic).
     With ``grad_sink`` the backward kernel adds the sources' gradients into the sink, and in the
     additive form the stream's where the sink collected the stream (:meth:`GradientSink.collect`);
     where the sources are cast to a common dtype first, the gradients go through autograd instead
     (the collected aliases add them to their sums: the same totals).
     """
-    check_merge_norm_args(sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate, stream_start)
+    check_merge_norm_args(
+        sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate, stream_start, block_outputs
+    )
     _check_dtypes([prior_out])
     if stream_start is not None and stream_start.dtype != torch.float32:
         stream_start = None  # the kernel adds in float32; a bf16 / fp16 stream rounds after each addition: saved instead
@@ -2210,9 +2276,13 @@ def merge_route_norm(
     if srcs and srcs[0].dtype != prior_out.dtype:
         dtype = torch.promote_types(srcs[0].dtype, prior_out.dtype)
         srcs, prior_out = [s.to(dtype) for s in srcs], prior_out.to(dtype)
+    if block_outputs is not None and (stream_start is None or srcs[0] is not sources[0] or srcs[0].dtype not in REBUILD_DTYPES):
+        # the kernel rounds the rebuilt running sum as torch does for bf16 (and float32: no rounding
+        # beyond the sum's); a cast source, another dtype, or a stream that is not replayed: saved
+        stream_start = block_outputs = None
     return _route(
         srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False, norm_weight, float(norm_eps),
-        sink=_uncast(binding, srcs, sources), stream_start=stream_start,
+        sink=_uncast(binding, srcs, sources), stream_start=stream_start, block_outputs=block_outputs,
     )[0]
 
 

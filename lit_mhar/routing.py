@@ -63,9 +63,12 @@ SINK_STREAM = True
 # stream at its group's start plus the group's sublayer outputs before it (the sources the merge
 # reads anyway; merge_route_norm's stream_start), bit-identical, instead of saving it: 4 bytes
 # per element and sublayer, the memory Delta kept beyond the replacement form (BENCHMARKS.md,
-# twelfth set). Only for a float32 stream (as under autocast; the kernel adds in float32), not in
-# block routing, where the sources are rounded running sums, nor for activation checkpointing,
-# whose recomputed sublayers route from snapshots. A knob.
+# twelfth set). In block routing likewise from the stream at the block's start and the block's
+# outputs so far, which the fused norm then saves instead of its running sum (a bf16 or float32
+# source, which the kernel rebuilds from them, rounding as torch's additions do; merge_route_norm's
+# block_outputs): 2 bytes per element and sublayer kept instead of 2 + 4. Only for a float32
+# stream (as under autocast; the kernel adds in float32), not for activation checkpointing, whose
+# recomputed sublayers route from snapshots. A knob.
 REPLAY_STREAM = True
 
 
@@ -124,6 +127,7 @@ class DepthHistory:
         self._replay: Optional[tuple[int, Tensor]] = None
         self._stream_next: Optional[Tensor] = None
         self._stream_site: Optional[tuple[int, Tensor]] = None
+        self._block_outputs: list[Tensor] = []  # block routing: the outputs of the block in progress
 
     def sources(self) -> list[Tensor]:
         """Sources visible to the next routing site, oldest first (N = 1 + completed + started)."""
@@ -142,7 +146,7 @@ class DepthHistory:
         else:
             tracked = self._collect(stream)
         index = self.n_appended
-        if REPLAY_STREAM and self.two_phase and self.block_size == 1 and not self._frozen:
+        if REPLAY_STREAM and self._replays():
             if index % self.group_size == 0:
                 self._replay = (index, tracked)
             elif stream is not self._stream_next:  # not the stream append() made: no replay until the next group
@@ -177,11 +181,19 @@ class DepthHistory:
         if not sunk_partial:
             partial = output if self.partial is None else self.partial + output
         self.partial = self._collect(partial)
+        if stream is not None and self.block_size > 1 and REPLAY_STREAM and self._replays():
+            self._block_outputs.append(output)  # the running sum's and the stream's addends (block_outputs)
         self.n_appended += 1
         if self.n_appended % self.block_size == 0:
             self.blocks.append(self.partial)
             self.partial = None
+            self._block_outputs = []
         return new_stream
+
+    def _replays(self) -> bool:
+        """Whether the additive form's stream may be replayed here (REPLAY_STREAM): two-phase
+        routing in groups of one block (or full routing's groups), on the live history."""
+        return self.two_phase and not self._frozen and (self.block_size == 1 or self.group_size == self.block_size)
 
     def _collect(self, source: Tensor) -> Tensor:
         """``source`` as a source of the depth history: its sink alias (eager code with a sink)."""
@@ -245,23 +257,30 @@ class DepthHistory:
         return merge_route_norm(
             newer, site.query, site.key_gain, site.heads, prior_out, prior_lse, norm.weight, eps,
             stream=stream if additive else None, gate=site.gate, eps=site.eps, grad_sink=self._sink_for(newer),
-            stream_start=self._stream_start(stream, len(newer)) if additive else None,
+            **(self._stream_replay(stream, len(newer)) if additive else {}),
         )
 
-    def _stream_start(self, stream: Optional[Tensor], n_newer: int) -> Optional[Tensor]:
-        """The stream at the start of this site's group where ``stream`` is it plus the ``n_newer``
-        sources added since (REPLAY_STREAM, full routing: the sublayer outputs of the group so
-        far, added by :meth:`append`), else None."""
+    def _stream_replay(self, stream: Optional[Tensor], n_newer: int) -> dict:
+        """``merge_route_norm``'s ``stream_start`` (and in block routing ``block_outputs``) for this
+        site (REPLAY_STREAM): the stream at the start of the site's group, where ``stream`` is it
+        plus the sublayer outputs :meth:`append` added since, which in full routing are the
+        ``n_newer`` sources and in block routing make up the one source, the running sum; else {}."""
         index = self.n_appended
         if self._frozen or self._replay is None or self._stream_site is None or stream is None:
-            return None
+            return {}
         first, start = self._replay
         site, tracked = self._stream_site
-        if site != index or stream is not tracked or first != index - index % self.group_size or n_newer != index - first:
-            return None
+        if site != index or stream is not tracked or first != index - index % self.group_size:
+            return {}
         if start.dtype != torch.float32 or stream.dtype != torch.float32:  # the kernel's additions are float32's
-            return None
-        return start
+            return {}
+        if self.block_size == 1:
+            return dict(stream_start=start) if n_newer == index - first else {}
+        if index == first:
+            return dict(stream_start=start) if n_newer == 0 else {}
+        if n_newer != 1 or len(self._block_outputs) != index - first:
+            return {}
+        return dict(stream_start=start, block_outputs=list(self._block_outputs))
 
     def _phase_two_inputs(self) -> tuple[Tensor, Tensor, list[Tensor]]:
         """Phase one's routed value and lse for the site about to run, and the sources added since."""

@@ -846,6 +846,66 @@ def test_merge_route_norm_stream_start_gives_identical_gradients_and_saves_it(n,
             reference.merge_route_norm(**{**ref_args, "sources": sources[::-1] if n > 1 else [2 * sources[0]]}, stream_start=start)
 
 
+# (block outputs, heads, d, tokens, their dtype): one output (the running sum is it), bf16 running
+# sums over several (rounded after each addition), split head widths (96 = 64 + 32), float32, and
+# fp16, which the kernels do not rebuild (they save the running sum and the stream)
+BLOCK_OUTPUTS_CASES = [
+    (1, 4, 64, 9, torch.bfloat16), (4, 2, 96, 37, torch.bfloat16), (3, 4, 64, 70, torch.float32), (5, 1, 48, 131, torch.bfloat16),
+    (3, 2, 64, 9, torch.float16),
+]
+
+
+@pytest.mark.parametrize(
+    "k,heads,d,tokens,dtype", BLOCK_OUTPUTS_CASES, ids=[f"K{c[0]}-H{c[1]}-d{c[2]}-T{c[3]}-{str(c[4])[6:]}" for c in BLOCK_OUTPUTS_CASES]
+)
+def test_merge_route_norm_block_outputs_give_identical_gradients_and_are_saved_instead(k, heads, d, tokens, dtype):
+    """merge_route_norm in block routing with ``stream_start`` and ``block_outputs`` (the one
+    source their running sum, rounded after each addition; the float32 stream the start plus
+    them): output and every gradient bit-identical to passing the stream and the running sum
+    alone, and autograd keeps the start and the outputs instead of the stream and the running
+    sum (bf16, float32; an fp16 running sum and the stream are kept as they are); the reference
+    checks both sums."""
+    g = torch.Generator().manual_seed(k + d)
+    shape = (tokens, d)
+    outputs = [(torch.randn(shape, generator=g) * 4 ** i).to(DEVICE, dtype) for i in range(k)]  # growing: each sum rounds
+    start = (100 * torch.randn(shape, generator=g)).to(DEVICE)
+    stream, running = start, outputs[0]
+    for i, o in enumerate(outputs):
+        stream = stream + o
+        running = running + o if i else running
+    prior = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    prior_lse = torch.randn((tokens, heads), generator=g).to(DEVICE)
+    query, gain, weight, gate = (torch.randn(d, generator=g).to(DEVICE) for _ in range(4))
+    dy = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    results = []
+    for given in (False, True):
+        leaves = [x.detach().clone().requires_grad_() for x in (running, query, gain, prior, prior_lse, weight, stream, gate)]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = tr.merge_route_norm(
+                leaves[:1], leaves[1], leaves[2], heads, leaves[3], leaves[4], leaves[5], 1e-5, stream=leaves[6], gate=leaves[7],
+                stream_start=start if given else None, block_outputs=outputs if given else None,
+            )
+        rebuilt = given and dtype != torch.float16
+        kept = [start, *outputs] if rebuilt else [leaves[6], leaves[0]]
+        dropped = [leaves[6], leaves[0]] if rebuilt else [start, *outputs[1:]]  # (outputs[0] is the running sum at k = 1)
+        assert all(any(t is x for t in saved) for x in kept)
+        assert not any(t is x for t in saved for x in dropped if not (k == 1 and x is leaves[0] and rebuilt))
+        results.append([y, *torch.autograd.grad(y, leaves, dy)])
+    for n, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), n
+    ref_args = dict(query=query, gain=gain, heads=heads, prior_out=prior, prior_lse=prior_lse, norm_weight=weight, norm_eps=1e-5, stream=stream, gate=gate)
+    reference.merge_route_norm(**ref_args, sources=[running], stream_start=start, block_outputs=outputs)
+    if k > 2:  # the same sum rounded once is not the running sum
+        once = sum(o.double() for o in outputs).to(dtype)
+        if dtype != torch.float32:
+            assert not torch.equal(once, running)
+            with pytest.raises(ValueError, match="running sum of block_outputs"):
+                reference.merge_route_norm(**ref_args, sources=[once], stream_start=start, block_outputs=outputs)
+        with pytest.raises(ValueError, match="stream_start plus block_outputs"):
+            reference.merge_route_norm(**ref_args, sources=[running], stream_start=start, block_outputs=outputs[::-1])
+
+
 @pytest.mark.parametrize("impl", [reference.merge_route_norm, tr.merge_route_norm], ids=["reference", "triton"])
 def test_merge_route_norm_refuses_bad_arguments(impl):
     v, q, gn = [torch.randn(3, 8, device=DEVICE)], torch.randn(8, device=DEVICE), torch.ones(8, device=DEVICE)
@@ -870,6 +930,13 @@ def test_merge_route_norm_refuses_bad_arguments(impl):
             (dict(stream_start=torch.randn(3, 8, device=DEVICE)), "stream_start is given without a stream"),
             (dict(stream=torch.randn(3, 8, device=DEVICE), gate=torch.randn(8, device=DEVICE), stream_start=torch.randn(3, 8, device=DEVICE, dtype=torch.float64)),
              "stream_start must be a tensor of the stream's shape"),
+            (dict(stream=torch.randn(3, 8, device=DEVICE), gate=torch.randn(8, device=DEVICE), block_outputs=v), "block_outputs is given without stream_start"),
+            (dict(stream=torch.randn(3, 8, device=DEVICE), gate=torch.randn(8, device=DEVICE), stream_start=torch.randn(3, 8, device=DEVICE),
+                  sources=[*v, *v], block_outputs=v), "block_outputs needs exactly one source .* got 2"),
+            (dict(stream=torch.randn(3, 8, device=DEVICE), gate=torch.randn(8, device=DEVICE), stream_start=torch.randn(3, 8, device=DEVICE),
+                  block_outputs=[]), "block_outputs must be a non-empty list"),
+            (dict(stream=torch.randn(3, 8, device=DEVICE), gate=torch.randn(8, device=DEVICE), stream_start=torch.randn(3, 8, device=DEVICE),
+                  block_outputs=[v[0], v[0].half()]), r"block_outputs\[1\] must be a tensor of the source's shape \(3, 8\), dtype torch.float32 .*dtype torch.float16"),
         ]:
             args = dict(sources=v, query=q, gain=gn, heads=2, prior_out=prior, prior_lse=lse, norm_weight=w, norm_eps=1e-5, stream=None, gate=None, eps=1e-6)
             args.update(bad)
@@ -1165,29 +1232,38 @@ def test_model_stream_sink_matches_autograd(monkeypatch, block_size):
         torch.testing.assert_close(g_on[name], g_off[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-# (block size, model dtype, a block's output changed by a forward hook, the stream's gradient in the
-# sink, streams no longer saved): full routing's replay with and without the stream sink, with a
-# bf16 stream (not replayed: the kernel adds in float32), with the stream changed outside
-# DepthHistory.append before site 4 (sites 4-7 not replayed, the next group again), block routing
+# (block size, model dtype or bf16 autocast, a block's output changed by a forward hook, the
+# stream's gradient in the sink, float32 [B, T, d] tensors no longer saved): full routing's replay
+# with and without the stream sink, with a bf16 stream (not replayed: the kernel adds in float32),
+# with the stream changed outside DepthHistory.append before site 4 (sites 4-7 not replayed, the
+# next group again); block routing (S = 3: blocks start at sites 0, 3, 6, 9), where sites 1, 2, 4,
+# 5, 7, 8, 10 no longer save their stream (the outputs they save instead replace the running sums
+# they saved), in float32, under autocast (bf16 running sums, rebuilt with bf16 rounding), and
+# with the stream changed before site 4 (sites 4 and 5 not replayed)
 REPLAY_MODEL_CASES = [
     (1, torch.float32, False, True, 9), (1, torch.float32, False, False, 9), (1, torch.bfloat16, False, True, 0),
-    (1, torch.float32, True, True, 5), (2, torch.float32, False, True, 0),
+    (1, torch.float32, True, True, 5), (3, torch.float32, False, True, 7), (3, "autocast", False, True, 7),
+    (3, torch.float32, True, False, 5),
 ]
 
 
 @pytest.mark.parametrize(
     "block_size,dtype,changed,sink,fewer", REPLAY_MODEL_CASES,
-    ids=["delta-full", "delta-full-no-stream-sink", "delta-full-bf16", "delta-full-stream-changed", "delta-block-S2"],
+    ids=["delta-full", "delta-full-no-stream-sink", "delta-full-bf16", "delta-full-stream-changed", "delta-block-S3",
+         "delta-block-S3-autocast", "delta-block-S3-stream-changed-no-stream-sink"],
 )
 def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients(monkeypatch, block_size, dtype, changed, sink, fewer):
-    """Delta full routing with the stream replayed in the fused norms' backward (REPLAY_STREAM, the
+    """Delta routing with the stream replayed in the fused norms' backward (REPLAY_STREAM, the
     default) against saved: the same loss and bit-identical gradients, over one graph twice
     (retain_graph); autograd keeps one float32 stream per group of sites (2 for 11 sites in groups
-    of 8), not one per site, where the stream is float32 and made by DepthHistory.append since the
-    group's first site; otherwise it saves the site's stream (``fewer``: streams no longer saved)."""
+    of 8 in full routing, one per block in block routing), not one per site, where the stream is
+    float32 and made by DepthHistory.append since the group's first site; otherwise it saves the
+    site's stream (``fewer``: streams no longer saved)."""
     from lit_mhar import routing
 
     monkeypatch.setattr(routing, "SINK_STREAM", sink)
+    autocast = dtype == "autocast"
+    dtype = torch.float32 if autocast else dtype
     model = tiny_model("delta", 4, block_size, n_layer=5).to(dtype)  # 11 sites
     idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(8)).to(DEVICE)
     embed = {}
@@ -1210,7 +1286,7 @@ def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients
 
         grads = []
         model.zero_grad()
-        with use_backend("triton"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with use_backend("triton"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(DEVICE, torch.bfloat16, enabled=autocast):
             loss = torch.nn.functional.cross_entropy(model(idx).float().flatten(0, 1), idx.flatten())
         for retain in (True, False):
             model.zero_grad()
