@@ -229,9 +229,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # block_outputs): bf16, rounded to nearest even after each addition as torch's additions are, and
 # float32; an fp16 running sum is saved.
 REBUILD_DTYPES = (torch.float32, torch.bfloat16)
-# Pass two of the fused norm's backward takes the running sum pass one rebuilt, kept in registers,
-# instead of reading the block's outputs again. A benchmark knob (``rebuild-reload``).
-REBUILD_KEEP = True
 # Tests set this to fill every kernel output with NaN before the launch, so that an element the
 # kernel fails to write cannot pass as a plausible value.
 POISON_OUTPUTS = False
@@ -391,10 +388,9 @@ def _route_bwd(
     # group's start and the stream is that plus the sources, added in order in float32 as the
     # forward's torch additions did (bit-identical), while pass one reads the sources anyway.
     # With REBUILD too (block routing, n_src == 1) the table holds n_rep tensors, a block's outputs:
-    # the one source is their running sum, rebuilt in pass one (and again in pass two where REBUILD
-    # is 1; 2 keeps pass one's in registers) and rounded to the sources' dtype after each addition
-    # as torch's additions round (bf16: to nearest even, on the bits, since the interpreter's cast
-    # truncates), and the stream adds the outputs, not the running sum.
+    # the one source is their running sum, rebuilt in both passes and rounded to the sources' dtype
+    # after each addition as torch's additions round (bf16: to nearest even, on the bits, since
+    # the interpreter's cast truncates), and the stream adds the outputs, not the running sum.
     # Every lane tensor has a twin ``*_t`` over each head's last DT channels when DT > 0 (see
     # _route_fwd); sums over a head add the two.
     pid = tl.program_id(0)
@@ -503,9 +499,6 @@ def _route_bwd(
                         bits_t = ((bits_t + 0x7FFF + ((bits_t >> 16) & 1)) >> 16) << 16
                         acc_t = tl.where(acc_t == acc_t, bits_t.to(tl.float32, bitcast=True), acc_t)
                     v_next_t = acc_t.to(src_base.dtype.element_ty)
-            v_kept = v_next
-            if DT > 0:
-                v_kept_t = v_next_t
         if PF == 2:  # a second source in flight
             off = tl.multiple_of(tl.load(src_offs + 1), ALIGN)
             v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 1, M, 0)) & cmask, other=0.0)
@@ -611,16 +604,11 @@ def _route_bwd(
             tl.store(dprior_lse_ptr + hm_off, p_alpha * (p_a - dsum), mask=hmask)
 
         # pass 2: every source gradient, and dw summed over this program's tokens
-        if REBUILD == 2:  # pass one's running sum
-            v_next = v_kept
-            if DT > 0:
-                v_next_t = v_kept_t
-        else:
-            off = tl.multiple_of(tl.load(src_offs), ALIGN)
-            v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
-            if DT > 0:
-                v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 0, M, 0)) & (h_i < H), other=0.0)
-        if REBUILD == 1:  # the running sum again, as in pass one
+        off = tl.multiple_of(tl.load(src_offs), ALIGN)
+        v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
+        if DT > 0:
+            v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 0, M, 0)) & (h_i < H), other=0.0)
+        if REBUILD:  # the running sum again, as in pass one
             for k in range(1, n_rep):
                 o_off = tl.multiple_of(tl.load(src_offs + k), ALIGN)
                 acc_s = v_next.to(tl.float32) + tl.load(src_base + o_off + x_off, mask=xmask, other=0.0).to(tl.float32)
@@ -1697,7 +1685,7 @@ def _backward(
         dstream_acc, stream_acc = dstream, 0
     flags["STREAM_ACC"] = stream_acc > 0
     flags["REPLAY"] = norm_stream and stream_replay
-    flags["REBUILD"] = (2 if REBUILD_KEEP else 1) if flags["REPLAY"] and rebuild else 0
+    flags["REBUILD"] = flags["REPLAY"] and rebuild
     if rebuild and not flags["REBUILD"]:
         raise ValueError("triton depth routing: rebuilding a block's running sum needs the fused norm's replayed stream")
 

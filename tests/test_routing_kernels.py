@@ -858,13 +858,13 @@ BLOCK_OUTPUTS_CASES = [
 @pytest.mark.parametrize(
     "k,heads,d,tokens,dtype", BLOCK_OUTPUTS_CASES, ids=[f"K{c[0]}-H{c[1]}-d{c[2]}-T{c[3]}-{str(c[4])[6:]}" for c in BLOCK_OUTPUTS_CASES]
 )
-def test_merge_route_norm_block_outputs_give_identical_gradients_and_are_saved_instead(monkeypatch, k, heads, d, tokens, dtype):
+def test_merge_route_norm_block_outputs_give_identical_gradients_and_are_saved_instead(k, heads, d, tokens, dtype):
     """merge_route_norm in block routing with ``stream_start`` and ``block_outputs`` (the one
     source their running sum, rounded after each addition; the float32 stream the start plus
     them): output and every gradient bit-identical to passing the stream and the running sum
-    alone, with pass two keeping pass one's running sum and rebuilding it again; autograd keeps
-    the start and the outputs instead of the stream and the running sum (bf16, float32; an fp16
-    running sum and the stream are kept as they are); the reference checks both sums."""
+    alone, and autograd keeps the start and the outputs instead of the stream and the running
+    sum (bf16, float32; an fp16 running sum and the stream are kept as they are); the reference
+    checks both sums."""
     g = torch.Generator().manual_seed(k + d)
     shape = (tokens, d)
     outputs = [(torch.randn(shape, generator=g) * 4 ** i).to(DEVICE, dtype) for i in range(k)]  # growing: each sum rounds
@@ -878,8 +878,7 @@ def test_merge_route_norm_block_outputs_give_identical_gradients_and_are_saved_i
     query, gain, weight, gate = (torch.randn(d, generator=g).to(DEVICE) for _ in range(4))
     dy = torch.randn(shape, generator=g).to(DEVICE, dtype)
     results = []
-    for given, keep in ((False, True), (True, True), (True, False)):
-        monkeypatch.setattr(tr, "REBUILD_KEEP", keep)
+    for given in (False, True):
         leaves = [x.detach().clone().requires_grad_() for x in (running, query, gain, prior, prior_lse, weight, stream, gate)]
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -893,9 +892,8 @@ def test_merge_route_norm_block_outputs_give_identical_gradients_and_are_saved_i
         assert all(any(t is x for t in saved) for x in kept)
         assert not any(t is x for t in saved for x in dropped if not (k == 1 and x is leaves[0] and rebuilt))
         results.append([y, *torch.autograd.grad(y, leaves, dy)])
-    for got in results[1:]:
-        for n, (a, b) in enumerate(zip(got, results[0])):
-            assert torch.equal(a, b), n
+    for n, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), n
     ref_args = dict(query=query, gain=gain, heads=heads, prior_out=prior, prior_lse=prior_lse, norm_weight=weight, norm_eps=1e-5, stream=stream, gate=gate)
     reference.merge_route_norm(**ref_args, sources=[running], stream_start=start, block_outputs=outputs)
     if k > 2:  # the same sum rounded once is not the running sum
