@@ -244,10 +244,14 @@ def main(argv=None):
     ap.add_argument("--scale", choices=list(SCALES), required=True)
     ap.add_argument("--out", default=".")
     ap.add_argument("--heads", default="1,8")
+    ap.add_argument("--sources", default="block,full", help="shapes: block (N = 9), full (N = 2L + 1), or both")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
     ap.add_argument("--variants", default="triton,triton-siteloop,triton-twopass,phase1,fla,liger,eager,compiled",
                     help="comma-separated subset to run (phase1: Block AttnRes's phase one, site-loop against two-pass backward)")
     args = ap.parse_args(argv)
+    kinds = args.sources.split(",")
+    if not kinds or any(k not in ("block", "full") for k in kinds):
+        ap.error(f"--sources {args.sources!r}: give block, full or block,full")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.config.cache_size_limit = 64
     torch._functorch.config.donated_buffer = False  # the backward timing replays one graph (retain_graph)
@@ -273,7 +277,8 @@ def main(argv=None):
                 t0 = time.time()
                 bench_phase_one(args.scale, 8, heads, copy_gbps, writer, fh)
                 print(f"{args.scale} phase one N=8 H={heads}: {time.time() - t0:.0f}s", flush=True)
-        for n, heads in [(9, h) for h in heads_list] + [(2 * layers + 1, h) for h in reversed(heads_list)]:
+        shapes = [(9, h) for h in heads_list if "block" in kinds] + [(2 * layers + 1, h) for h in reversed(heads_list) if "full" in kinds]
+        for n, heads in shapes:
             variants = {"triton": lambda s, q, g, h=heads: triton_routing.depth_route(s, q, g, h)}
             variants["triton-siteloop"] = variants["triton-twopass"] = variants["triton"]  # same forward, one backward each
             if heads == 1:
