@@ -96,7 +96,7 @@ KNOBS = {
     "unfused-additive-full": {("lit_mhar.routing", "FUSED_NORM_ADDITIVE_FULL"): False},  # Delta full routing: merge, then the norm module
     "no-sink": {("lit_mhar.routing", "SINK_SOURCE_GRADIENTS"): False},  # autograd sums the source gradients (addition kernels)
     "no-stream-sink": {("lit_mhar.routing", "SINK_STREAM"): False},  # Delta: autograd sums the stream's gradients
-    "save-stream": {("lit_mhar.routing", "REPLAY_STREAM"): False},  # Delta full: each fused norm saves its float32 stream (before the twelfth set)
+    "save-stream": {("lit_mhar.routing", "REPLAY_STREAM"): False},  # Delta: each fused norm saves its float32 stream (full routing before the twelfth set, block before the thirteenth)
     "untuned": {(TR, "TUNED_TILES"): {}},  # tiles and warps by the general rule at every width
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "mfu_measured",
