@@ -244,8 +244,11 @@ def check_merge_norm_args(
             raise ValueError("merge_route_norm: block_outputs is given without stream_start (it rebuilds the stream from the block's start)")
         if len(sources) != 1:
             raise ValueError(f"merge_route_norm: block_outputs needs exactly one source (the running sum of the block in progress), got {len(sources)}")
-        if isinstance(block_outputs, Tensor) or len(block_outputs) == 0:
-            raise ValueError("merge_route_norm: block_outputs must be a non-empty list of tensors (the block's sublayer outputs so far)")
+        if not isinstance(block_outputs, (list, tuple)) or len(block_outputs) == 0:
+            got = "[]" if isinstance(block_outputs, (list, tuple)) else f"a {type(block_outputs).__name__}"
+            raise ValueError(
+                f"merge_route_norm: block_outputs must be a non-empty list of tensors (the block's sublayer outputs so far), got {got}"
+            )
         for k, o in enumerate(block_outputs):
             if not isinstance(o, Tensor) or o.shape != sources[0].shape or o.dtype != sources[0].dtype or o.device != sources[0].device:
                 got = f"shape {tuple(o.shape)}, dtype {o.dtype}, device {o.device}" if isinstance(o, Tensor) else repr(o)

@@ -484,21 +484,21 @@ def _route_bwd(
                 o_off = tl.multiple_of(tl.load(src_offs + k), ALIGN)
                 o = tl.load(src_base + o_off + x_off, mask=xmask, other=0.0).to(tl.float32)
                 hs = hs + o
-                acc_s = v_next.to(tl.float32) + o
+                run_s = v_next.to(tl.float32) + o
                 if src_base.dtype.element_ty == tl.bfloat16:  # round to nearest even on the bits
-                    bits = acc_s.to(tl.uint32, bitcast=True)
+                    bits = run_s.to(tl.uint32, bitcast=True)
                     bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-                    acc_s = tl.where(acc_s == acc_s, bits.to(tl.float32, bitcast=True), acc_s)
-                v_next = acc_s.to(src_base.dtype.element_ty)
+                    run_s = tl.where(run_s == run_s, bits.to(tl.float32, bitcast=True), run_s)
+                v_next = run_s.to(src_base.dtype.element_ty)
                 if DT > 0:
                     o_t = tl.load(src_base + o_off + x_off_t, mask=hmask, other=0.0).to(tl.float32)
                     hs_t = hs_t + o_t
-                    acc_t = v_next_t.to(tl.float32) + o_t
+                    run_t = v_next_t.to(tl.float32) + o_t
                     if src_base.dtype.element_ty == tl.bfloat16:
-                        bits_t = acc_t.to(tl.uint32, bitcast=True)
+                        bits_t = run_t.to(tl.uint32, bitcast=True)
                         bits_t = ((bits_t + 0x7FFF + ((bits_t >> 16) & 1)) >> 16) << 16
-                        acc_t = tl.where(acc_t == acc_t, bits_t.to(tl.float32, bitcast=True), acc_t)
-                    v_next_t = acc_t.to(src_base.dtype.element_ty)
+                        run_t = tl.where(run_t == run_t, bits_t.to(tl.float32, bitcast=True), run_t)
+                    v_next_t = run_t.to(src_base.dtype.element_ty)
         if PF == 2:  # a second source in flight
             off = tl.multiple_of(tl.load(src_offs + 1), ALIGN)
             v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 1, M, 0)) & cmask, other=0.0)
@@ -611,19 +611,19 @@ def _route_bwd(
         if REBUILD:  # the running sum again, as in pass one
             for k in range(1, n_rep):
                 o_off = tl.multiple_of(tl.load(src_offs + k), ALIGN)
-                acc_s = v_next.to(tl.float32) + tl.load(src_base + o_off + x_off, mask=xmask, other=0.0).to(tl.float32)
+                run_s = v_next.to(tl.float32) + tl.load(src_base + o_off + x_off, mask=xmask, other=0.0).to(tl.float32)
                 if src_base.dtype.element_ty == tl.bfloat16:
-                    bits = acc_s.to(tl.uint32, bitcast=True)
+                    bits = run_s.to(tl.uint32, bitcast=True)
                     bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-                    acc_s = tl.where(acc_s == acc_s, bits.to(tl.float32, bitcast=True), acc_s)
-                v_next = acc_s.to(src_base.dtype.element_ty)
+                    run_s = tl.where(run_s == run_s, bits.to(tl.float32, bitcast=True), run_s)
+                v_next = run_s.to(src_base.dtype.element_ty)
                 if DT > 0:
-                    acc_t = v_next_t.to(tl.float32) + tl.load(src_base + o_off + x_off_t, mask=hmask, other=0.0).to(tl.float32)
+                    run_t = v_next_t.to(tl.float32) + tl.load(src_base + o_off + x_off_t, mask=hmask, other=0.0).to(tl.float32)
                     if src_base.dtype.element_ty == tl.bfloat16:
-                        bits_t = acc_t.to(tl.uint32, bitcast=True)
+                        bits_t = run_t.to(tl.uint32, bitcast=True)
                         bits_t = ((bits_t + 0x7FFF + ((bits_t >> 16) & 1)) >> 16) << 16
-                        acc_t = tl.where(acc_t == acc_t, bits_t.to(tl.float32, bitcast=True), acc_t)
-                    v_next_t = acc_t.to(src_base.dtype.element_ty)
+                        run_t = tl.where(run_t == run_t, bits_t.to(tl.float32, bitcast=True), run_t)
+                    v_next_t = run_t.to(src_base.dtype.element_ty)
         if PF == 2:  # a second source in flight
             off = tl.multiple_of(tl.load(src_offs + 1), ALIGN)
             v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 1, M, 0)) & cmask, other=0.0)

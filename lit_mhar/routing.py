@@ -123,11 +123,13 @@ class DepthHistory:
         self._inter: dict[int, tuple[Tensor, Tensor, int]] = {}
         self._frozen = False  # a snapshot() for one site: read-only, routes that site any number of times
         # the additive form's stream for REPLAY_STREAM: (first site of the group, its stream), the
-        # stream the last append() returned, (site, the stream track_stream() gave it)
-        self._replay: Optional[tuple[int, Tensor]] = None
-        self._stream_next: Optional[Tensor] = None
-        self._stream_site: Optional[tuple[int, Tensor]] = None
-        self._block_outputs: list[Tensor] = []  # block routing: the outputs of the block in progress
+        # stream the last append() returned, (site, the stream track_stream() gave it), and the
+        # outputs appended since the group's first site; each with its version counter at the
+        # time, so that a tensor changed in place since (a hook's mul_) stops the replay
+        self._replay: Optional[tuple[int, Tensor, int]] = None
+        self._stream_next: Optional[tuple[Tensor, int]] = None
+        self._stream_site: Optional[tuple[int, Tensor, int]] = None
+        self._group_outputs: list[tuple[Tensor, int]] = []
 
     def sources(self) -> list[Tensor]:
         """Sources visible to the next routing site, oldest first (N = 1 + completed + started)."""
@@ -148,10 +150,10 @@ class DepthHistory:
         index = self.n_appended
         if REPLAY_STREAM and self._replays():
             if index % self.group_size == 0:
-                self._replay = (index, tracked)
-            elif stream is not self._stream_next:  # not the stream append() made: no replay until the next group
-                self._replay = None
-            self._stream_site = (index, tracked)
+                self._replay = (index, tracked, tracked._version)
+            elif self._stream_next is None or stream is not self._stream_next[0] or stream._version != self._stream_next[1]:
+                self._replay = None  # not the stream append() made, or changed in place since: no replay until the next group
+            self._stream_site = (index, tracked, tracked._version)
         return tracked
 
     def append(self, output: Tensor, sublayer: int, stream: Optional[Tensor] = None) -> Optional[Tensor]:
@@ -175,25 +177,33 @@ class DepthHistory:
             new_stream, partial = self.sink.advance(stream if sunk_stream else None, self.partial if sunk_partial else None, output)
         if stream is not None and not sunk_stream:
             new_stream = stream + output  # the addition merge_route_norm's stream_start replays
-        if self._stream_site is None or stream is not self._stream_site[1] or self._stream_site[0] != sublayer:
-            self._replay = None  # the stream is not the one this site's routing read
-        self._stream_next = new_stream
+        if stream is not None and REPLAY_STREAM and self._replays():
+            site = self._stream_site
+            if site is None or site[0] != sublayer or stream is not site[1] or stream._version != site[2]:
+                self._replay = None  # the stream is not the one this site's routing read
+            self._stream_next = (new_stream, new_stream._version)
+            self._group_outputs.append((output, output._version))  # the stream's addends, and the running sum's
+        else:
+            self._replay = self._stream_next = None
         if not sunk_partial:
             partial = output if self.partial is None else self.partial + output
         self.partial = self._collect(partial)
-        if stream is not None and self.block_size > 1 and REPLAY_STREAM and self._replays():
-            self._block_outputs.append(output)  # the running sum's and the stream's addends (block_outputs)
         self.n_appended += 1
+        if self.n_appended % self.group_size == 0:
+            self._group_outputs = []
         if self.n_appended % self.block_size == 0:
             self.blocks.append(self.partial)
             self.partial = None
-            self._block_outputs = []
         return new_stream
 
     def _replays(self) -> bool:
         """Whether the additive form's stream may be replayed here (REPLAY_STREAM): two-phase
-        routing in groups of one block (or full routing's groups), on the live history."""
-        return self.two_phase and not self._frozen and (self.block_size == 1 or self.group_size == self.block_size)
+        routing in groups of one block (or full routing's groups), on the live history, in eager
+        code (a block compiled on its own routes through the custom op, which saves the stream)."""
+        return (
+            self.two_phase and not self._frozen and (self.block_size == 1 or self.group_size == self.block_size)
+            and not torch.compiler.is_compiling()
+        )
 
     def _collect(self, source: Tensor) -> Tensor:
         """``source`` as a source of the depth history: its sink alias (eager code with a sink)."""
@@ -257,30 +267,37 @@ class DepthHistory:
         return merge_route_norm(
             newer, site.query, site.key_gain, site.heads, prior_out, prior_lse, norm.weight, eps,
             stream=stream if additive else None, gate=site.gate, eps=site.eps, grad_sink=self._sink_for(newer),
-            **(self._stream_replay(stream, len(newer)) if additive else {}),
+            **(self._stream_replay(stream, newer) if additive else {}),
         )
 
-    def _stream_replay(self, stream: Optional[Tensor], n_newer: int) -> dict:
+    def _stream_replay(self, stream: Optional[Tensor], newer: Sequence[Tensor]) -> dict:
         """``merge_route_norm``'s ``stream_start`` (and in block routing ``block_outputs``) for this
         site (REPLAY_STREAM): the stream at the start of the site's group, where ``stream`` is it
-        plus the sublayer outputs :meth:`append` added since, which in full routing are the
-        ``n_newer`` sources and in block routing make up the one source, the running sum; else {}."""
+        plus the sublayer outputs :meth:`append` added since, none of them changed in place since,
+        which in full routing are the sources ``newer`` and in block routing add up to the one
+        source, the running sum (of their dtype); else {}."""
         index = self.n_appended
-        if self._frozen or self._replay is None or self._stream_site is None or stream is None:
+        if not REPLAY_STREAM or not self._replays() or self._replay is None or self._stream_site is None or stream is None:
             return {}
-        first, start = self._replay
-        site, tracked = self._stream_site
+        first, start, start_version = self._replay
+        site, tracked, tracked_version = self._stream_site
         if site != index or stream is not tracked or first != index - index % self.group_size:
+            return {}
+        if stream._version != tracked_version or start._version != start_version:
             return {}
         if start.dtype != torch.float32 or stream.dtype != torch.float32:  # the kernel's additions are float32's
             return {}
-        if self.block_size == 1:
-            return dict(stream_start=start) if n_newer == index - first else {}
-        if index == first:
-            return dict(stream_start=start) if n_newer == 0 else {}
-        if n_newer != 1 or len(self._block_outputs) != index - first:
+        outputs = [o for o, _ in self._group_outputs]
+        if len(outputs) != index - first or any(o._version != v for o, v in self._group_outputs):
             return {}
-        return dict(stream_start=start, block_outputs=list(self._block_outputs))
+        if self.block_size == 1:
+            return dict(stream_start=start) if len(newer) == len(outputs) else {}
+        if not outputs:
+            return dict(stream_start=start) if not newer else {}
+        like = newer[0] if len(newer) == 1 else None
+        if like is None or any(o.dtype != like.dtype or o.shape != like.shape or o.device != like.device for o in outputs):
+            return {}  # (an output of another dtype: the running sum is not their sum in one dtype)
+        return dict(stream_start=start, block_outputs=outputs)
 
     def _phase_two_inputs(self) -> tuple[Tensor, Tensor, list[Tensor]]:
         """Phase one's routed value and lse for the site about to run, and the sources added since."""
@@ -305,6 +322,10 @@ class DepthHistory:
         view = DepthHistory.__new__(DepthHistory)
         view.__dict__.update(self.__dict__)
         view.blocks, view._inter, view._frozen = list(self.blocks), {}, True
+        # a snapshot never replays the stream: it keeps no reference to the live history's streams
+        # or outputs (the live list of outputs grows, and checkpointing holds snapshots until backward)
+        view._replay = view._stream_next = view._stream_site = None
+        view._group_outputs = []
         if self.two_phase:
             index = self.n_appended
             if index not in self._inter:

@@ -847,10 +847,11 @@ def test_merge_route_norm_stream_start_gives_identical_gradients_and_saves_it(n,
 
 
 # (block outputs, heads, d, tokens, their dtype): one output (the running sum is it), bf16 running
-# sums over several (rounded after each addition), split head widths (96 = 64 + 32), float32, and
-# fp16, which the kernels do not rebuild (they save the running sum and the stream)
+# sums over several (rounded after each addition), float32, at split head widths (48 = 32 + 16
+# lanes) and whole ones (16), and fp16, which the kernels do not rebuild (they save the running
+# sum and the stream)
 BLOCK_OUTPUTS_CASES = [
-    (1, 4, 64, 9, torch.bfloat16), (4, 2, 96, 37, torch.bfloat16), (3, 4, 64, 70, torch.float32), (5, 1, 48, 131, torch.bfloat16),
+    (1, 2, 96, 9, torch.bfloat16), (4, 2, 96, 37, torch.bfloat16), (3, 2, 96, 70, torch.float32), (5, 4, 64, 131, torch.bfloat16),
     (3, 2, 64, 9, torch.float16),
 ]
 
@@ -890,7 +891,7 @@ def test_merge_route_norm_block_outputs_give_identical_gradients_and_are_saved_i
         kept = [start, *outputs] if rebuilt else [leaves[6], leaves[0]]
         dropped = [leaves[6], leaves[0]] if rebuilt else [start, *outputs[1:]]  # (outputs[0] is the running sum at k = 1)
         assert all(any(t is x for t in saved) for x in kept)
-        assert not any(t is x for t in saved for x in dropped if not (k == 1 and x is leaves[0] and rebuilt))
+        assert not any(t is x for t in saved for x in dropped)
         results.append([y, *torch.autograd.grad(y, leaves, dy)])
     for n, (a, b) in enumerate(zip(*results)):
         assert torch.equal(a, b), n
@@ -934,7 +935,9 @@ def test_merge_route_norm_refuses_bad_arguments(impl):
             (dict(stream=torch.randn(3, 8, device=DEVICE), gate=torch.randn(8, device=DEVICE), stream_start=torch.randn(3, 8, device=DEVICE),
                   sources=[*v, *v], block_outputs=v), "block_outputs needs exactly one source .* got 2"),
             (dict(stream=torch.randn(3, 8, device=DEVICE), gate=torch.randn(8, device=DEVICE), stream_start=torch.randn(3, 8, device=DEVICE),
-                  block_outputs=[]), "block_outputs must be a non-empty list"),
+                  block_outputs=[]), r"block_outputs must be a non-empty list .*got \[\]"),
+            (dict(stream=torch.randn(3, 8, device=DEVICE), gate=torch.randn(8, device=DEVICE), stream_start=torch.randn(3, 8, device=DEVICE),
+                  block_outputs=v[0]), "block_outputs must be a non-empty list .*got a Tensor"),
             (dict(stream=torch.randn(3, 8, device=DEVICE), gate=torch.randn(8, device=DEVICE), stream_start=torch.randn(3, 8, device=DEVICE),
                   block_outputs=[v[0], v[0].half()]), r"block_outputs\[1\] must be a tensor of the source's shape \(3, 8\), dtype torch.float32 .*dtype torch.float16"),
         ]:
@@ -1232,27 +1235,32 @@ def test_model_stream_sink_matches_autograd(monkeypatch, block_size):
         torch.testing.assert_close(g_on[name], g_off[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-# (block size, model dtype or bf16 autocast, a block's output changed by a forward hook, the
-# stream's gradient in the sink, float32 [B, T, d] tensors no longer saved): full routing's replay
-# with and without the stream sink, with a bf16 stream (not replayed: the kernel adds in float32),
-# with the stream changed outside DepthHistory.append before site 4 (sites 4-7 not replayed, the
-# next group again); block routing (S = 3: blocks start at sites 0, 3, 6, 9), where sites 1, 2, 4,
-# 5, 7, 8, 10 no longer save their stream (the outputs they save instead replace the running sums
-# they saved), in float32, under autocast (bf16 running sums, rebuilt with bf16 rounding), and
-# with the stream changed before site 4 (sites 4 and 5 not replayed)
+# (block size, model dtype or bf16 autocast, what a forward hook changes, the stream's gradient in
+# the sink, width d, float32 [B, T, d] tensors no longer saved): full routing's replay with and
+# without the stream sink, with a bf16 stream (not replayed: the kernel adds in float32), with the
+# stream changed outside DepthHistory.append before site 4 (sites 4-7 not replayed, the next group
+# again); block routing (S = 3: blocks start at sites 0, 3, 6, 9), where sites 1, 2, 4, 5, 7, 8, 10
+# no longer save their stream (the outputs they save instead replace the running sums they saved),
+# in float32, under autocast (bf16 running sums, rebuilt with bf16 rounding) at split head widths
+# (48 / 4 = 8 + 4 lanes), with the stream changed before site 4, out of place or in place (sites 4
+# and 5 not replayed), and with sublayer 3's output in float32 under autocast (site 5's outputs
+# differ in dtype, and from block 2 on the merges cast their bf16 running sums to the float32 of
+# phase one's output: only sites 1, 2 and 4 replayed)
 REPLAY_MODEL_CASES = [
-    (1, torch.float32, False, True, 9), (1, torch.float32, False, False, 9), (1, torch.bfloat16, False, True, 0),
-    (1, torch.float32, True, True, 5), (3, torch.float32, False, True, 7), (3, "autocast", False, True, 7),
-    (3, torch.float32, True, False, 5),
+    (1, torch.float32, None, True, 32, 9), (1, torch.float32, None, False, 32, 9), (1, torch.bfloat16, None, True, 32, 0),
+    (1, torch.float32, "stream", True, 32, 5), (3, torch.float32, None, True, 32, 7), (3, "autocast", None, True, 48, 7),
+    (3, torch.float32, "stream", False, 32, 5), (3, torch.float32, "stream-in-place", True, 32, 5),
+    (3, "autocast", "float32-output", True, 32, 3),
 ]
 
 
 @pytest.mark.parametrize(
-    "block_size,dtype,changed,sink,fewer", REPLAY_MODEL_CASES,
+    "block_size,dtype,changed,sink,d_model,fewer", REPLAY_MODEL_CASES,
     ids=["delta-full", "delta-full-no-stream-sink", "delta-full-bf16", "delta-full-stream-changed", "delta-block-S3",
-         "delta-block-S3-autocast", "delta-block-S3-stream-changed-no-stream-sink"],
+         "delta-block-S3-autocast-split-width", "delta-block-S3-stream-changed-no-stream-sink", "delta-block-S3-stream-changed-in-place",
+         "delta-block-S3-autocast-float32-output"],
 )
-def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients(monkeypatch, block_size, dtype, changed, sink, fewer):
+def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients(monkeypatch, block_size, dtype, changed, sink, d_model, fewer):
     """Delta routing with the stream replayed in the fused norms' backward (REPLAY_STREAM, the
     default) against saved: the same loss and bit-identical gradients, over one graph twice
     (retain_graph); autograd keeps one float32 stream per group of sites (2 for 11 sites in groups
@@ -1264,7 +1272,7 @@ def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients
     monkeypatch.setattr(routing, "SINK_STREAM", sink)
     autocast = dtype == "autocast"
     dtype = torch.float32 if autocast else dtype
-    model = tiny_model("delta", 4, block_size, n_layer=5).to(dtype)  # 11 sites
+    model = tiny_model("delta", 4, block_size, n_layer=5, d_model=d_model).to(dtype)  # 11 sites
     idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(8)).to(DEVICE)
     embed = {}
 
@@ -1272,15 +1280,19 @@ def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients
         embed["ptr"] = out.untyped_storage().data_ptr()
 
     model.embed.register_forward_hook(embedded)
-    if changed:  # the stream after block 1 (before site 4) is not the one append() returned
+    if changed == "stream":  # the stream after block 1 (before site 4) is not the one append() returned
         model.blocks[1].register_forward_hook(lambda module, args, out: out + 1000)
+    elif changed == "stream-in-place":  # ... the same tensor, changed in place
+        model.blocks[1].register_forward_hook(lambda module, args, out: (out.mul_(1.5), None)[1])
+    elif changed == "float32-output":
+        model.blocks[1].mlp.register_forward_hook(lambda module, args, out: out.float())
     results = {}
     for on in (True, False):
         monkeypatch.setattr(routing, "REPLAY_STREAM", on)
         streams = set()
 
         def pack(t):  # [B, T, d] streams saved, other than the embedding (a source too)
-            if t.dim() == 3 and t.shape[:2] == idx.shape and t.shape[-1] == 32 and t.dtype == dtype and t.untyped_storage().data_ptr() != embed.get("ptr"):
+            if t.dim() == 3 and t.shape[:2] == idx.shape and t.shape[-1] == d_model and t.dtype == dtype and t.untyped_storage().data_ptr() != embed.get("ptr"):
                 streams.add(t.untyped_storage().data_ptr())
             return t
 
@@ -1300,6 +1312,33 @@ def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients
         for name in want:
             assert torch.equal(got[name], want[name]), name
     assert n_off - n_on == fewer
+
+
+def test_activation_checkpointing_keeps_no_more_sublayer_outputs_alive_with_the_replay(monkeypatch):
+    """Under activation checkpointing (where nothing replays: the sublayers route from snapshots),
+    the outputs the live history collects for the replay are not held by the snapshots that
+    checkpointing keeps until the backward: as many sublayer outputs are alive after the forward
+    with REPLAY_STREAM as without, fewer than all of them."""
+    import weakref
+
+    from lit_mhar import routing
+
+    idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    alive = {}
+    for on in (True, False):
+        monkeypatch.setattr(routing, "REPLAY_STREAM", on)
+        model = tiny_model("delta", 4, 3, n_layer=5)
+        model.activation_checkpointing = True
+        refs = []
+        for block in model.blocks:
+            for sub in (block.attn, block.mlp):
+                sub.register_forward_hook(lambda module, args, out: refs.append(weakref.ref(out)))
+        with use_backend("triton"):  # (the backward recomputes the sublayers: on the same backend)
+            loss = model(idx).float().logsumexp(-1).mean()
+            alive[on] = sum(r() is not None for r in refs)
+            assert len(refs) == 10
+            loss.backward()
+    assert alive[True] == alive[False] < 10, alive
 
 
 @pytest.mark.parametrize("block_size", [2, 1], ids=["delta-block-S2", "delta-full"])
@@ -1460,9 +1499,9 @@ def test_offset_tables_are_reused_and_correct():
     assert other is not first and other.tolist() == [128, 0, 0]
 
 
-def tiny_model(residual, heads, block_size, n_layer=3):
+def tiny_model(residual, heads, block_size, n_layer=3, d_model=32):
     cfg = ModelConfig.from_name(
-        "debug", residual=residual, heads=heads, block_size=block_size, d_model=32, n_layer=n_layer,
+        "debug", residual=residual, heads=heads, block_size=block_size, d_model=d_model, n_layer=n_layer,
         n_head=4, n_kv_head=2, ffn_dim=48, vocab_size=97, seq_len=16,
     )
     torch.manual_seed(0)
