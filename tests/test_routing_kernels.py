@@ -795,6 +795,15 @@ def test_merge_route_norm_matches_float64_reference_full_grid(n, heads, d, token
     check_merge_route_norm(n, heads, d, tokens, dtype, additive)
 
 
+def merge_norm_side_inputs(g, tokens, d, heads, dtype):
+    """Random prior ``[tokens, d]``, its lse ``[tokens, heads]``, query, gain, norm weight and gate
+    ``[d]``, and an output gradient ``[tokens, d]`` for merge_route_norm."""
+    prior = torch.randn((tokens, d), generator=g).to(DEVICE, dtype)
+    prior_lse = torch.randn((tokens, heads), generator=g).to(DEVICE)
+    query, gain, weight, gate = (torch.randn(d, generator=g).to(DEVICE) for _ in range(4))
+    return prior, prior_lse, query, gain, weight, gate, torch.randn((tokens, d), generator=g).to(DEVICE, dtype)
+
+
 # (sources, heads, d, tokens, sources' dtype, stream's dtype): one tile per head (16), split head
 # widths (96 = 64 + 32), a bf16 stream (which the kernels save instead: they add in float32)
 STREAM_START_CASES = [
@@ -820,10 +829,7 @@ def test_merge_route_norm_stream_start_gives_identical_gradients_and_saves_it(n,
     stream = start
     for s_ in sources:
         stream = stream + s_
-    prior = torch.randn(shape, generator=g).to(DEVICE, dtype)
-    prior_lse = torch.randn((tokens, heads), generator=g).to(DEVICE)
-    query, gain, weight, gate = (torch.randn(d, generator=g).to(DEVICE) for _ in range(4))
-    dy = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    prior, prior_lse, query, gain, weight, gate, dy = merge_norm_side_inputs(g, tokens, d, heads, dtype)
     results = []
     for given in (False, True):
         leaves = [x.detach().clone().requires_grad_() for x in (*sources, query, gain, prior, prior_lse, weight, stream, gate)]
@@ -874,10 +880,7 @@ def test_merge_route_norm_block_outputs_give_identical_gradients_and_are_saved_i
     for i, o in enumerate(outputs):
         stream = stream + o
         running = running + o if i else running
-    prior = torch.randn(shape, generator=g).to(DEVICE, dtype)
-    prior_lse = torch.randn((tokens, heads), generator=g).to(DEVICE)
-    query, gain, weight, gate = (torch.randn(d, generator=g).to(DEVICE) for _ in range(4))
-    dy = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    prior, prior_lse, query, gain, weight, gate, dy = merge_norm_side_inputs(g, tokens, d, heads, dtype)
     results = []
     for given in (False, True):
         leaves = [x.detach().clone().requires_grad_() for x in (running, query, gain, prior, prior_lse, weight, stream, gate)]
