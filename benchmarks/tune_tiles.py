@@ -45,16 +45,25 @@ if DEVICE == "cpu":
         return float("nan")
 
     do_bench_cudagraph = do_bench  # noqa: F811
+# Elements per tile by warps; a configuration giving the same tokens per program as one tried before
+# at this width (1280 holds one token in 1024 and 2048 elements) is skipped (``tokens_per_program``).
 CONFIGS = {
-    "fwd": list(itertools.product((2048, 4096, 8192), (2, 4, 8))),
-    "bwd_stats": list(itertools.product((1024, 2048, 4096), (2, 4, 8))),
-    "bwd_sources": list(itertools.product((1024, 2048, 4096), (2, 4, 8))),
+    "fwd": list(itertools.product((2048, 4096, 8192, 16384), (1, 2, 4, 8))),
+    "bwd_stats": list(itertools.product((1024, 2048, 4096, 8192), (1, 2, 4, 8))),
+    "bwd_sources": list(itertools.product((1024, 2048, 4096, 8192), (1, 2, 4, 8))),
 }
 MERGE_CONFIGS = {
-    "merge_fwd": list(itertools.product((1024, 2048, 4096), (1, 2, 4, 8))),
-    "bwd": list(itertools.product((512, 1024, 2048, 4096), (2, 4, 8))),
+    "merge_fwd": list(itertools.product((1024, 2048, 4096, 8192), (1, 2, 4, 8))),
+    "bwd": list(itertools.product((512, 1024, 2048, 4096, 8192), (1, 2, 4, 8))),
 }
 FIELDS = ["scale", "shape", "kind", "elements", "warps", "ms", "rel_diff", "status"]
+
+
+def tokens_per_program(elements: int, d: int, heads: int) -> int:
+    """Tokens of one program's tile of ``elements`` at width ``d`` (the rule of ``tr._tile`` at one
+    site; at S sites it is a function of this one, so equal here means equal there)."""
+    rows = max(1, elements // tr._lanes(d, heads)[3])
+    return 1 << (rows.bit_length() - 1)
 
 
 def rel(a, b) -> float:
@@ -129,7 +138,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", choices=list(SCALES), default="350m")
     ap.add_argument("--out", required=True, help="folder of tune_tiles.csv (rows are appended)")
-    ap.add_argument("--shapes", default="phase1,full,one-site", help="comma-separated: which shape families to run")
+    ap.add_argument("--shapes", default="phase1,full,one-site", help="comma-separated: which shape families to run "
+                    "(phase1, full, op: one site over 9 and 2L+1 sources at H = 1, merge, dots, passes, dot-tune, one-site)")
+    ap.add_argument("--kinds", default="", help="comma-separated launch kinds to vary (fwd, bwd_stats, bwd_sources, merge_fwd, bwd); default all")
     args = ap.parse_args(argv)
     families = set(args.shapes.split(","))
     d, layers, M = SCALES[args.scale]
@@ -147,7 +158,9 @@ def main(argv=None):
             fh.flush()
             print(json.dumps(row), flush=True)
 
+        kinds = set(filter(None, args.kinds.split(",")))
         shapes = [(f"phase1-N8-S{S}-H8", 8, S, 8), (f"phase1-N8-S{S}-H1", 8, S, 1), (f"full-N{2 * layers + 1}-S1-H8", 2 * layers + 1, 1, 8),
+                  ("op-N9-S1-H1", 9, 1, 1), (f"op-N{2 * layers + 1}-S1-H1", 2 * layers + 1, 1, 1),
                   ("merge-N1-H8", 1, 1, 8), ("merge-N1-H8-additive", 1, 1, 8), ("merge-N4-H8", 4, 1, 8)]
         # the vector kernels' tiles: the tensor-core kernels off while these families run
         vector_only = {k: getattr(tr, k) for k in ("DOT_FWD", "DOT_STATS", "DOT_SOURCES")}
@@ -165,8 +178,14 @@ def main(argv=None):
             fwd, bwd = build(*data, heads)
             ref_out, ref_grads = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in bwd()]
             for kind, configs in configs_by_kind.items():
+                if kinds and kind not in kinds:
+                    continue
                 kind = "bwd_add" if kind == "bwd" and name.endswith("additive") else kind  # the additive form's tile kind
+                tried = set()
                 for elements, warps in configs:
+                    if (tokens_per_program(elements, d, heads), warps) in tried:
+                        continue
+                    tried.add((tokens_per_program(elements, d, heads), warps))
                     tr.TILE_ELEMENTS.update(defaults[0])
                     tr.WARPS.clear()
                     tr.TILE_ELEMENTS[kind], tr.WARPS[kind] = elements, warps
