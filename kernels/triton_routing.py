@@ -111,12 +111,23 @@ WARPS: dict[str, int] = {}
 # against 0.788 at 100m); the forward of a merge ("merge_fwd") moved its 201 MB at 2.9-3.4 TB/s
 # on every tile tried (0.060-0.070 ms at 350m), so it keeps the forward's tile; the
 # replacement form's backward measured within the spread of training ("bwd", 2048 on 8 warps kept).
+# At d = 1280 (1b; ``--scale 1b --shapes op,merge,phase1``, BENCHMARKS.md, fourteenth set) programs of
+# one or two tokens on one or two warps, where the rule gave one or two tokens on 4: at one site over
+# 9 / 73 sources with H = 1 the forward took 0.254 / 1.641 ms against 0.397 / 2.772, the whole
+# backward with pass one on one token and one warp 0.845 / 6.068 against 1.197 / 9.159, with pass two
+# so 1.204 / 7.924 against 1.212 / 8.904; the merges' forward 0.079 / 0.127 / 0.207 ms (one newer
+# source, additive form, four) against 0.090 / 0.123 / 0.227, their backward 0.402 / 0.920 (one,
+# four) against 0.457 / 1.062 and the additive form's 0.625 against 0.739. A key with a third field
+# holds for that head count only (measured at it: H = 1; pass two with H = 8 was best on the rule's
+# tile, 6.832 ms against 7.073 on one warp).
 # Not used where ``WARPS`` names the kind (tuning runs).
-TUNED_TILES: dict[tuple[str, int], tuple[int, int]] = {
+TUNED_TILES: dict[tuple, tuple[int, int]] = {
     ("fwd", 512): (2048, 2), ("fwd", 1024): (2048, 2), ("merge_fwd", 512): (2048, 2), ("merge_fwd", 1024): (2048, 2),
     ("bwd_add", 512): (1024, 2), ("bwd_add", 1024): (1024, 2),
     ("bwd_stats", 512): (2048, 2), ("bwd_stats", 1024): (2048, 2),
     ("bwd_sources", 512): (2048, 2), ("bwd_sources", 1024): (1024, 2),
+    ("fwd", 1280, 1): (2560, 1), ("merge_fwd", 1280): (1280, 1), ("bwd", 1280): (1280, 2), ("bwd_add", 1280): (1280, 2),
+    ("bwd_stats", 1280, 1): (1280, 1), ("bwd_sources", 1280, 1): (1280, 1),
 }
 MAX_TILE_ELEMENTS = 8192
 # Backward passes over at least this many sites, or of one site over at least this many sources
@@ -201,6 +212,12 @@ DOT_MIN_HEAD_WIDTH = 128
 # eleventh set.
 DOT_MAX_HEAD_WIDTH = 160
 DOT_SOURCES_PADDED = False
+# Head widths that are a power of two plus a smaller one of at least 16 (160 = 128 + 32 at 1b with
+# H = 8) are held by the tensor-core kernels as two column tiles per head (``_dot_lanes``), as
+# ``SPLIT_WIDTH`` does for the vector kernels, instead of one padded to the next power of two:
+# 3/8 of every product at 160 was padding. Pass two takes them too (``_sources_on_dots``). A benchmark
+# knob (``pad-dots``: padded, pass two on the vector kernel, the code before the fourteenth set).
+DOT_SPLIT_WIDTH = True
 # Rows of either operand of a tile at most: the products [BM*BS, BM*BN] grow as the square of the
 # tokens per tile, and at head width 16 pass two's tile of 256 rows asked an H200 for 299 KB of shared
 # memory (232 KB there). From head width 64 up, DOT_TILE_ELEMENTS alone keeps tiles within it.
@@ -842,7 +859,7 @@ def _route_fwd_sites_dot(
     out_base, out_offs,
     lse_ptr, rstd_ptr,
     M, eps, num_tiles, progs,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, DT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
     ALIGN: tl.constexpr, STORE_RSTD: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # Phase one forward on tensor cores (bf16 sources, replacement form, no prior): the outputs of
@@ -856,7 +873,9 @@ def _route_fwd_sites_dot(
     # reads it once per FWD_SITES sites. Products across tokens are masked with where, and the
     # values enter alpha V with non-finite entries zeroed: alpha is 0 for other tokens' rows, and
     # 0 * inf would spread an inf to every token of the tile; a token whose own source holds one gets
-    # a non-finite score, so its outputs are non-finite as on the vector kernel.
+    # a non-finite score, so its outputs are non-finite as on the vector kernel. With DT > 0 a head's
+    # DH = DHP + DT columns are two tiles (``_dot_lanes``): every product gains its twin over the last
+    # DT columns, and no column is padding.
     pid = tl.program_id(0)
     r = tl.arange(0, BM * BS)  # rows (token, site)
     q = tl.arange(0, BM * BN)  # rows (token, source)
@@ -866,6 +885,8 @@ def _route_fwd_sites_dot(
     m_q = q // BN
     c_1 = tl.arange(0, DHP)
     cmask = c_1[None, :] < DH  # a head's columns of the width padded to DHP
+    if DT > 0:
+        c_t = DHP + tl.arange(0, DT)[None, :]  # [1, DT] a head's last DT columns
     smask = s_r < n_sites
     jmask = j_q < n_src
     off = tl.multiple_of(tl.load(src_offs + j_q, mask=jmask, other=0), ALIGN)[:, None]  # [BM*BN, 1]
@@ -880,6 +901,9 @@ def _route_fwd_sites_dot(
         for h in range(H):
             v = tl.load(src_base + off + rows_q[:, None] * D + h * DH + c_1[None, :], mask=qmask[:, None] & cmask, other=0.0).to(tl.float32)
             sq += tl.reduce(v * v, 1, _ADD)
+            if DT > 0:
+                v_t = tl.load(src_base + off + rows_q[:, None] * D + h * DH + c_t, mask=qmask[:, None], other=0.0).to(tl.float32)
+                sq += tl.reduce(v_t * v_t, 1, _ADD)
         rstd = 1.0 / tl.sqrt(sq / D + eps)  # [BM*BN]
         if STORE_RSTD:  # [N, M] float32 for the site loop's backward
             tl.store(rstd_ptr + j_q.to(tl.int64) * M + rows_q, rstd, mask=qmask)
@@ -901,6 +925,22 @@ def _route_fwd_sites_dot(
             else:
                 sc = tl.dot(w, vt)
                 sc = tl.dot(w_lo, vt, sc)
+            if DT > 0:
+                col_t = h * DH + c_t  # [1, DT]
+                w_t = tl.load(w_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)  # [BM*BS, DT]
+                w_lo_t = tl.load(wlo_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)
+                v_t = tl.load(src_base + off + rows_q[:, None] * D + col_t, mask=qmask[:, None], other=0.0)  # [BM*BN, DT]
+                if DOT_F32:
+                    w_t = w_t.to(tl.float32)
+                    w_lo_t = w_lo_t.to(tl.float32)
+                    v_t = v_t.to(tl.float32)
+                vt_t = tl.trans(v_t)
+                if DOT_F32:
+                    sc = tl.dot(w_t, vt_t, sc, input_precision="ieee")
+                    sc = tl.dot(w_lo_t, vt_t, sc, input_precision="ieee")
+                else:
+                    sc = tl.dot(w_t, vt_t, sc)
+                    sc = tl.dot(w_lo_t, vt_t, sc)
             sc = sc * rstd[None, :]
             m = tl.reduce(tl.where(live, sc, float("-inf")), 1, _MAX)  # [BM*BS]
             p = tl.where(live, tl.exp(sc - m[:, None]), 0.0)
@@ -917,6 +957,15 @@ def _route_fwd_sites_dot(
                 out = tl.dot(a_hi, v)
                 out = tl.dot(a_lo, v, out)
             tl.store(out_base + o_off + rows_r[:, None] * D + col, out.to(out_base.dtype.element_ty), mask=rmask[:, None] & cmask)
+            if DT > 0:
+                v_t = tl.where(tl.abs(v_t) < float("inf"), v_t, 0.0)
+                if DOT_F32:
+                    out_t = tl.dot(a_hi.to(tl.float32), v_t, input_precision="ieee")
+                    out_t = tl.dot(a_lo.to(tl.float32), v_t, out_t, input_precision="ieee")
+                else:
+                    out_t = tl.dot(a_hi, v_t)
+                    out_t = tl.dot(a_lo, v_t, out_t)
+                tl.store(out_base + o_off + rows_r[:, None] * D + col_t, out_t.to(out_base.dtype.element_ty), mask=rmask[:, None])
 
 
 def _route_bwd_stats_dot(
@@ -926,7 +975,7 @@ def _route_bwd_stats_dot(
     lse_ptr, dlse_ptr,
     dsum_ptr, dw_ptr, sa_ptr, rstd_ptr, t_ptr,
     M, num_tiles, progs,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, DT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
     ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr, DOT_F32: tl.constexpr,
     STORE_SA: tl.constexpr, STORE_T: tl.constexpr,
 ):
@@ -950,6 +999,7 @@ def _route_bwd_stats_dot(
     # multiplies the same bf16 values in float32. STORE_SA writes the scores and a for the vector
     # pass two; STORE_T instead writes this head's share of the key norm's term
     # t = sum_s ds_s * sc_s per (source, token) ([N, M, H] float32) for ``_route_bwd_sources_dot``.
+    # DT > 0: a head's last DT columns are a second tile (``_route_fwd_sites_dot``).
     pid = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.arange(0, BM * BS)  # rows (token, site)
@@ -973,6 +1023,14 @@ def _route_bwd_stats_dot(
     off = tl.multiple_of(tl.load(src_offs + j_q, mask=jmask, other=0), ALIGN)[:, None]  # [BM*BN, 1]
     same = m_r[:, None] == m_q[None, :]  # [BM*BS, BM*BN]: the blocks of one token
     dw_acc = tl.full([BM * BS, DHP], 0.0, tl.float32)
+    if DT > 0:
+        col_t = h * DH + DHP + tl.arange(0, DT)[None, :]  # [1, DT]
+        w_t = tl.load(w_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)  # [BM*BS, DT]
+        w_lo_t = tl.load(wlo_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)
+        if DOT_F32:
+            w_t = w_t.to(tl.float32)
+            w_lo_t = w_lo_t.to(tl.float32)
+        dw_acc_t = tl.full([BM * BS, DT], 0.0, tl.float32)
     for tile in range(pid, num_tiles, progs):
         rows_r = tl.cast(tile, tl.int64) * BM + m_r  # token of each row
         rows_q = tl.cast(tile, tl.int64) * BM + m_q
@@ -980,6 +1038,9 @@ def _route_bwd_stats_dot(
         qmask = jmask & (rows_q < M)
         dr = tl.load(g_base + g_off + rows_r[:, None] * D + col, mask=rmask[:, None] & cmask, other=0.0)  # [BM*BS, DHP]
         v = tl.load(src_base + off + rows_q[:, None] * D + col, mask=qmask[:, None] & cmask, other=0.0)  # [BM*BN, DHP]
+        if DT > 0:
+            dr_t = tl.load(g_base + g_off + rows_r[:, None] * D + col_t, mask=rmask[:, None], other=0.0)  # [BM*BS, DT]
+            v_t = tl.load(src_base + off + rows_q[:, None] * D + col_t, mask=qmask[:, None], other=0.0)  # [BM*BN, DT]
         sh_r = (s_r.to(tl.int64) * M + rows_r) * H + h  # (site, token, head) of each row
         lse = tl.load(lse_ptr + sh_r, mask=rmask, other=0.0)
         rstd = tl.load(rstd_ptr + j_q.to(tl.int64) * M + rows_q, mask=qmask, other=1.0)[None, :]  # [1, BM*BN]
@@ -995,6 +1056,19 @@ def _route_bwd_stats_dot(
             sc = tl.dot(w, vt)
             sc = tl.dot(w_lo, vt, sc)
             a = tl.dot(dr, vt)
+        if DT > 0:
+            if DOT_F32:
+                dr_t = dr_t.to(tl.float32)
+                v_t = v_t.to(tl.float32)
+            vt_t = tl.trans(v_t)
+            if DOT_F32:
+                sc = tl.dot(w_t, vt_t, sc, input_precision="ieee")
+                sc = tl.dot(w_lo_t, vt_t, sc, input_precision="ieee")
+                a = tl.dot(dr_t, vt_t, a, input_precision="ieee")
+            else:
+                sc = tl.dot(w_t, vt_t, sc)
+                sc = tl.dot(w_lo_t, vt_t, sc)
+                a = tl.dot(dr_t, vt_t, a)
         sc = sc * rstd
         # where, not a product with a zero weight: a non-finite value of one token stays in its rows
         live = same & rmask[:, None] & qmask[None, :]
@@ -1020,11 +1094,21 @@ def _route_bwd_stats_dot(
         else:
             dw_acc = tl.dot(c_hi, v, dw_acc)
             dw_acc = tl.dot(c_lo, v, dw_acc)
+        if DT > 0:
+            if DOT_F32:
+                dw_acc_t = tl.dot(c_hi.to(tl.float32), v_t, dw_acc_t, input_precision="ieee")
+                dw_acc_t = tl.dot(c_lo.to(tl.float32), v_t, dw_acc_t, input_precision="ieee")
+            else:
+                dw_acc_t = tl.dot(c_hi, v_t, dw_acc_t)
+                dw_acc_t = tl.dot(c_lo, v_t, dw_acc_t)
     # rows (token, site) summed per site; partial row of (site, this program's share):
     # [progs, n_sites, d], summed by the host
     dw = tl.reduce(tl.reshape(dw_acc, [BM, BS, DHP]), 0, _ADD)  # [BS, DHP]
     s_1 = tl.arange(0, BS)[:, None]
     tl.store(dw_ptr + (tl.cast(pid, tl.int64) * n_sites + s_1) * D + col, dw, mask=(s_1 < n_sites) & cmask)
+    if DT > 0:
+        dw_t = tl.reduce(tl.reshape(dw_acc_t, [BM, BS, DT]), 0, _ADD)  # [BS, DT]
+        tl.store(dw_ptr + (tl.cast(pid, tl.int64) * n_sites + s_1) * D + col_t, dw_t, mask=s_1 < n_sites)
 
 
 def _route_bwd_sources_dot(
@@ -1034,8 +1118,8 @@ def _route_bwd_sources_dot(
     lse_ptr, dsum_ptr, rstd_ptr, t_ptr,
     dsrc_base, dsrc_offs, acc_base, acc_offs, n_acc,
     M, num_tiles, progs,
-    D: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-    ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, DOT_F32: tl.constexpr, ACC: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, DT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+    BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, DOT_F32: tl.constexpr, ACC: tl.constexpr,
 ):
     # Site-loop backward, pass two, on tensor cores (bf16, after ``_route_bwd_stats_dot`` with
     # STORE_T): the source gradients of ``_route_bwd_sources``,
@@ -1044,7 +1128,8 @@ def _route_bwd_sources_dot(
     # BM tokens), recomputing the scores and a = <dr, v> as there (no [S, N, M, H, 2] round trip)
     # and summing t over the heads from the partials pass one stored. The coefficients and W enter
     # as bf16x2 splits (hi * hi + hi * lo + lo * hi); dR and V are bf16 already. With ACC, source
-    # i < n_acc adds acc_base + acc_offs[i] (a gradient sink's sum so far).
+    # i < n_acc adds acc_base + acc_offs[i] (a gradient sink's sum so far). DT > 0: a head's last DT
+    # columns are a second tile (``_route_fwd_sites_dot``).
     pid = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.arange(0, BM * BS)  # rows (token, site)
@@ -1072,6 +1157,13 @@ def _route_bwd_sources_dot(
         a_off = tl.multiple_of(tl.load(acc_offs + j_q, mask=amask, other=0), ALIGN)[:, None]
     same = m_r[:, None] == m_q[None, :]  # [BM*BS, BM*BN]: the blocks of one token
     h_1 = tl.arange(0, BH)
+    if DT > 0:
+        col_t = h * DH + DHP + tl.arange(0, DT)[None, :]  # [1, DT]
+        w_t = tl.load(w_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)  # [BM*BS, DT]
+        w_lo_t = tl.load(wlo_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)
+        if DOT_F32:
+            w_t = w_t.to(tl.float32)
+            w_lo_t = w_lo_t.to(tl.float32)
     for tile in range(pid, num_tiles, progs):
         rows_r = tl.cast(tile, tl.int64) * BM + m_r
         rows_q = tl.cast(tile, tl.int64) * BM + m_q
@@ -1082,6 +1174,12 @@ def _route_bwd_sources_dot(
         v = tl.load(src_base + off + x_off, mask=qmask[:, None] & cmask, other=0.0)  # [BM*BN, DHP]
         if ACC:  # issued with the values: its latency overlaps theirs and the products
             acc = tl.load(acc_base + a_off + x_off, mask=(qmask & amask)[:, None] & cmask, other=0.0)
+        if DT > 0:
+            dr_t = tl.load(g_base + g_off + rows_r[:, None] * D + col_t, mask=rmask[:, None], other=0.0)  # [BM*BS, DT]
+            x_off_t = rows_q[:, None] * D + col_t
+            v_t = tl.load(src_base + off + x_off_t, mask=qmask[:, None], other=0.0)  # [BM*BN, DT]
+            if ACC:
+                acc_t = tl.load(acc_base + a_off + x_off_t, mask=(qmask & amask)[:, None], other=0.0)
         sh_r = (s_r.to(tl.int64) * M + rows_r) * H + h
         lse = tl.load(lse_ptr + sh_r, mask=rmask, other=0.0)
         dsum = tl.load(dsum_ptr + sh_r, mask=rmask, other=0.0)
@@ -1100,6 +1198,19 @@ def _route_bwd_sources_dot(
             sc = tl.dot(w, vt)
             sc = tl.dot(w_lo, vt, sc)
             a = tl.dot(dr, vt)
+        if DT > 0:
+            if DOT_F32:
+                dr_t = dr_t.to(tl.float32)
+                v_t = v_t.to(tl.float32)
+            vt_t = tl.trans(v_t)
+            if DOT_F32:
+                sc = tl.dot(w_t, vt_t, sc, input_precision="ieee")
+                sc = tl.dot(w_lo_t, vt_t, sc, input_precision="ieee")
+                a = tl.dot(dr_t, vt_t, a, input_precision="ieee")
+            else:
+                sc = tl.dot(w_t, vt_t, sc)
+                sc = tl.dot(w_lo_t, vt_t, sc)
+                a = tl.dot(dr_t, vt_t, a)
         sc = sc * rstd[None, :]
         live = same & rmask[:, None] & qmask[None, :]
         alpha = tl.where(live, tl.exp(sc - lse[:, None]), 0.0)
@@ -1125,6 +1236,23 @@ def _route_bwd_sources_dot(
         if ACC:
             dv += acc.to(tl.float32)
         tl.store(dsrc_base + d_off + x_off, dv.to(dsrc_base.dtype.element_ty), mask=qmask[:, None] & cmask)
+        if DT > 0:
+            if DOT_F32:
+                dv_t = tl.dot(p_hi.to(tl.float32), dr_t, input_precision="ieee")
+                dv_t = tl.dot(p_lo.to(tl.float32), dr_t, dv_t, input_precision="ieee")
+                dv_t = tl.dot(c_hi.to(tl.float32), w_t, dv_t, input_precision="ieee")
+                dv_t = tl.dot(c_hi.to(tl.float32), w_lo_t, dv_t, input_precision="ieee")
+                dv_t = tl.dot(c_lo.to(tl.float32), w_t, dv_t, input_precision="ieee")
+            else:
+                dv_t = tl.dot(p_hi, dr_t)
+                dv_t = tl.dot(p_lo, dr_t, dv_t)
+                dv_t = tl.dot(c_hi, w_t, dv_t)
+                dv_t = tl.dot(c_hi, w_lo_t, dv_t)
+                dv_t = tl.dot(c_lo, w_t, dv_t)
+            dv_t -= v_t.to(tl.float32) * (rstd * rstd * t / D)[:, None]
+            if ACC:
+                dv_t += acc_t.to(tl.float32)
+            tl.store(dsrc_base + d_off + x_off_t, dv_t.to(dsrc_base.dtype.element_ty), mask=qmask[:, None])
 
 
 def _route_bwd_sources(
@@ -1466,7 +1594,7 @@ def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple
             f"{bs * bd} fp32 registers per token in the two-pass backward, more than {MAX_TILE_ELEMENTS}; "
             f"route at most {max(1, MAX_TILE_ELEMENTS // bd)} sites per pass with it"
         )
-    tuned = None if interpret or kind in WARPS else TUNED_TILES.get((kind, bd))
+    tuned = None if interpret or kind in WARPS else TUNED_TILES.get((kind, bd, heads), TUNED_TILES.get((kind, bd)))
     if interpret:
         rows = max(1, min(INTERPRET_ROWS, 65536 // (bs * bd)))
     else:
@@ -1567,7 +1695,8 @@ def _forward(
         w_lo = (w - w_hi.float()).to(torch.bfloat16)
         tiles = triton.cdiv(M, bm_dot)
         flags = dict(
-            D=d, H=heads, DH=d // heads, DHP=_dot_width(d // heads), BS=bs_dot, BN=bn_dot, BM=bm_dot, ALIGN=16 // base.element_size(),
+            D=d, H=heads, DH=d // heads, DHP=_dot_lanes(d // heads)[0], DT=_dot_lanes(d // heads)[1], BS=bs_dot, BN=bn_dot, BM=bm_dot,
+            ALIGN=16 // base.element_size(),
             STORE_RSTD=store_rstd, DOT_F32=interpret, **_dot_launch("fwd_sites_dot", bm_dot),
         )
 
@@ -1755,7 +1884,7 @@ def _sources_on_dots(d: int, heads: int) -> bool:
     """Whether pass two of the site loop runs on tensor cores where pass one does: ``DOT_SOURCES``
     and a head width that is a power of two (a padded one measured slower, at 1b), or any with
     ``DOT_SOURCES_PADDED``."""
-    return DOT_SOURCES and (DOT_SOURCES_PADDED or _dot_width(d // heads) == d // heads)
+    return DOT_SOURCES and (DOT_SOURCES_PADDED or sum(_dot_lanes(d // heads)) == d // heads)
 
 
 def _dot_programs(name: str, device: torch.device, tiles: int, heads: int, args, flags: dict) -> int:
@@ -1784,6 +1913,17 @@ def _dot_width(head_width: int) -> int:
     """The head width the tensor-core kernels compute on: the next power of two, at least 16 (the
     smallest ``tl.dot`` operand); the padding columns are masked off."""
     return max(16, triton.next_power_of_2(head_width))
+
+
+def _dot_lanes(head_width: int) -> tuple[int, int]:
+    """(DHP, DT): the tensor-core kernels' column tiles per head. A head width that is a power of two
+    plus a smaller one of at least 16 (160 = 128 + 32 at 1b) is two tiles, DHP + DT, with
+    ``DOT_SPLIT_WIDTH``; any other is one tile padded to ``_dot_width`` (DT = 0)."""
+    padded = _dot_width(head_width)
+    rest = head_width - padded // 2
+    if DOT_SPLIT_WIDTH and padded != head_width and rest >= 16 and rest & (rest - 1) == 0:
+        return padded // 2, rest
+    return padded, 0
 
 
 def _dot_tile(n_sites: int, n_src: int, head_width: int) -> tuple[int, int, int]:
@@ -1876,7 +2016,7 @@ def _backward_site_loop(
         w_lo = (w - w_hi.float()).to(torch.bfloat16)
         tiles_dot = triton.cdiv(M, bm_dot)
         dot_flags = dict(
-            D=d, H=heads, DH=d // heads, DHP=_dot_width(d // heads), BS=bs_dot, BN=bn_dot, BM=bm_dot,
+            D=d, H=heads, DH=d // heads, DHP=_dot_lanes(d // heads)[0], DT=_dot_lanes(d // heads)[1], BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), HAS_DLSE=grad_lse is not None,
             DOT_F32=interpret, STORE_SA=not both_on_dots, STORE_T=both_on_dots,
             **_dot_launch("bwd_stats_dot", bm_dot),
@@ -1899,7 +2039,8 @@ def _backward_site_loop(
         _kernel("bwd_stats", interpret)[(per_group * n_groups,)](*stats_args(dw, dgate if gate is not None else w, per_group), **flags)
     if both_on_dots:
         src_flags = dict(
-            D=d, H=heads, BH=triton.next_power_of_2(heads), DH=d // heads, DHP=_dot_width(d // heads), BS=bs_dot, BN=bn_dot, BM=bm_dot,
+            D=d, H=heads, BH=triton.next_power_of_2(heads), DH=d // heads, DHP=_dot_lanes(d // heads)[0], DT=_dot_lanes(d // heads)[1],
+            BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), DOT_F32=interpret, ACC=n_acc > 0,
             **_dot_launch("bwd_sources_dot", bm_dot),
         )

@@ -112,6 +112,8 @@ GPU_CASES = [
     for n, h, d, dt, add in itertools.product((1, 2, 9, 33, 73), (1, 2, 4, 8, 16), (64, 96, 1000, 1024), (torch.float32, torch.bfloat16), (False, True))
     if d % h == 0
     for t in (1037,)  # several tiles, and not a multiple of any tile
+] + [  # 1b's width, on its own tiles (TUNED_TILES)
+    (n, h, 1280, 1037, dt, add) for n, h, dt, add in itertools.product((9, 73), (1, 8), (torch.float32, torch.bfloat16), (False, True))
 ]
 
 
@@ -291,6 +293,18 @@ def test_saved_rstd_matches_float64_reference(monkeypatch, sites, n):
         assert max(errs) < TOL[torch.float32], (save, errs)
 
 
+def test_tuned_tiles_hold_at_their_width_and_head_count_only():
+    """A tuned tile keyed by (kind, width) holds for every head count, one keyed by (kind, width,
+    heads) for that count only; other counts and widths take the general rule, the interpreter its
+    own rows."""
+    tokens = lambda kind, d, heads: tr._tile(kind, 1, d, heads, False)[1:3]  # noqa: E731 - (tokens, warps)
+    assert tokens("bwd_sources", 1280, 1) == (1, 1) and tokens("fwd", 1280, 1) == (2, 1)
+    assert tokens("bwd_sources", 1280, 8) == (1, 4) and tokens("fwd", 1280, 8) == (2, 4)  # the rule: 2048 / 4096 elements, 4 warps at least
+    assert tokens("bwd", 1280, 1) == tokens("bwd", 1280, 8) == (1, 2)
+    assert tokens("bwd_sources", 1024, 8) == (1, 2) and tokens("bwd_sources", 768, 8) == (2, 4)
+    assert tr._tile("bwd_sources", 1, 1280, 1, True)[1:3] == tr._tile("bwd_sources", 1, 1280, 8, True)[1:3] == (32, 4)
+
+
 def site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, on_dots=True, pass_two=False, with_dlse=True):
     """Phase one (``route_sites``) with pass one (and with ``pass_two`` pass two) of the site loop
     on tensor cores or not: errors of the outputs, lse and every gradient (sources, queries, gains;
@@ -331,7 +345,8 @@ DOT_CPU = [
     (1, 3, 4, 64, 37, torch.bfloat16), (9, 8, 8, 256, 19, torch.bfloat16), (17, 8, 4, 128, 23, torch.bfloat16),
     (33, 16, 2, 64, 5, torch.bfloat16), (2, 2, 1, 32, 30, torch.bfloat16), (9, 1, 8, 512, 7, torch.bfloat16),
     (41, 8, 1, 32, 9, torch.bfloat16), (9, 8, 1, 128, 5, torch.bfloat16),
-    (9, 6, 2, 96, 13, torch.bfloat16), (5, 3, 1, 160, 11, torch.bfloat16),  # head widths 48 and 160, padded
+    (9, 6, 2, 96, 13, torch.bfloat16), (5, 3, 1, 160, 11, torch.bfloat16),  # head widths 48 and 160: two column tiles
+    (5, 3, 2, 80, 11, torch.bfloat16),  # head width 40, padded to 64
 ]
 
 
@@ -447,7 +462,7 @@ def spy_launches(monkeypatch) -> list[str]:
 
 
 # the lighter pass-one cases, one site, and a head count that is not a power of two (width 32)
-DOT_PASS_TWO = [(*c, True) for c in DOT_CPU[:6] + DOT_CPU[-2:]] + [(9, 3, 3, 96, 13, torch.bfloat16, True), (9, 4, 2, 64, 11, torch.bfloat16, False)]
+DOT_PASS_TWO = [(*c, True) for c in DOT_CPU[:6] + DOT_CPU[-3:]] + [(9, 3, 3, 96, 13, torch.bfloat16, True), (9, 4, 2, 64, 11, torch.bfloat16, False)]
 
 
 @pytest.mark.parametrize(
@@ -603,10 +618,11 @@ def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token
         assert torch.equal(others, torch.cat([clean[k][:5], clean[k][6:]]))
 
 
-def test_pass_one_on_tensor_cores_only_where_it_applies():
+def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     """The tensor-core kernel takes the replacement form with the key rstd saved, at most 16 sites and
     64 sources, a head width from 128 to 160 (DOT_MIN_HEAD_WIDTH and DOT_MAX_HEAD_WIDTH; 64 was slower
-    in training), bf16; anything else keeps the vector kernel. Pass two takes unpadded widths only. Its tiles hold at least 16 rows of each
+    in training), bf16; anything else keeps the vector kernel. Pass two takes widths held without
+    padding only (a power of two, or two column tiles: ``_dot_lanes``). Its tiles hold at least 16 rows of each
     operand, about DOT_TILE_ELEMENTS elements of the padded head width and at most DOT_MAX_ROWS rows."""
     ok = dict(n_sites=8, n_src=41, d=1024, heads=8, gate=None, has_rstd=True, dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
     assert tr._stats_on_dots(**ok)
@@ -625,9 +641,13 @@ def test_pass_one_on_tensor_cores_only_where_it_applies():
         dict(store_scores=True), dict(norm_weight=torch.ones(1)), dict(d=512), dict(d=2048), dict(dtype=torch.float32),
     ):
         assert not tr._fwd_on_dots(**{**fwd, **change}), change
-    # 1b's head width 160 (padded to 256): the forward and pass one, not pass two
+    # 1b's head width 160, two column tiles of 128 and 32: the forward and both passes; a width that
+    # only pads (40 = 32 + 8, under the 16 columns of a product) not pass two, nor 160 padded
     assert tr._stats_on_dots(**{**ok, "d": 1280}) and tr._fwd_on_dots(**{**fwd, "d": 1280})
-    assert tr._sources_on_dots(1024, 8) and not tr._sources_on_dots(1280, 8) and not tr._sources_on_dots(384, 8)
+    assert [tr._dot_lanes(w) for w in (16, 40, 48, 96, 112, 128, 160)] == [(16, 0), (64, 0), (32, 16), (64, 32), (128, 0), (128, 0), (128, 32)]
+    assert tr._sources_on_dots(1024, 8) and tr._sources_on_dots(1280, 8) and tr._sources_on_dots(384, 8) and not tr._sources_on_dots(320, 8)
+    monkeypatch.setattr(tr, "DOT_SPLIT_WIDTH", False)
+    assert tr._dot_lanes(160) == (256, 0) and not tr._sources_on_dots(1280, 8) and not tr._sources_on_dots(384, 8)
     assert not tr._fwd_on_dots(**{**fwd, "n_sites": tr.DOT_FWD_MIN_SITES - 1})
     for sites, n, width in itertools.product((1, 3, 8, 16), (1, 2, 9, 41, 64), (16, 48, 64, 128, 160)):
         bs, bn, bm = tr._dot_tile(sites, n, width)
