@@ -217,7 +217,12 @@ DOT_SOURCES_PADDED = False
 # ``SPLIT_WIDTH`` does for the vector kernels, instead of one padded to the next power of two:
 # 3/8 of every product at 160 was padding. Pass two takes them too (``_sources_on_dots``). A benchmark
 # knob (``pad-dots``: padded, pass two on the vector kernel, the code before the fourteenth set).
+# In training at 1b on an H200 (BENCHMARKS.md, fourteenth set) full MHAR took 0.729 x prenorm against
+# 0.649 padded (with the tiles before ``TUNED_TILES`` had d = 1280). Pass two of a single site there
+# (one site over 9 sources, H = 8: its sites padded to 16 rows of the tile) took 4.09 ms against
+# 2.45 on the vector kernel, so at two column tiles it needs ``DOT_SPLIT_SOURCES_MIN_SITES`` sites.
 DOT_SPLIT_WIDTH = True
+DOT_SPLIT_SOURCES_MIN_SITES = 2
 # Rows of either operand of a tile at most: the products [BM*BS, BM*BN] grow as the square of the
 # tokens per tile, and at head width 16 pass two's tile of 256 rows asked an H200 for 299 KB of shared
 # memory (232 KB there). From head width 64 up, DOT_TILE_ELEMENTS alone keeps tiles within it.
@@ -1880,11 +1885,14 @@ def _fwd_on_dots(
     )
 
 
-def _sources_on_dots(d: int, heads: int) -> bool:
+def _sources_on_dots(d: int, heads: int, n_sites: int) -> bool:
     """Whether pass two of the site loop runs on tensor cores where pass one does: ``DOT_SOURCES``
-    and a head width that is a power of two (a padded one measured slower, at 1b), or any with
-    ``DOT_SOURCES_PADDED``."""
-    return DOT_SOURCES and (DOT_SOURCES_PADDED or sum(_dot_lanes(d // heads)) == d // heads)
+    and a head width held without padding (a power of two, or two column tiles from at least
+    ``DOT_SPLIT_SOURCES_MIN_SITES`` sites on), or any with ``DOT_SOURCES_PADDED``."""
+    dh = d // heads
+    if DOT_SOURCES_PADDED:
+        return DOT_SOURCES
+    return DOT_SOURCES and (_dot_width(dh) == dh or (sum(_dot_lanes(dh)) == dh and n_sites >= DOT_SPLIT_SOURCES_MIN_SITES))
 
 
 def _dot_programs(name: str, device: torch.device, tiles: int, heads: int, args, flags: dict) -> int:
@@ -1984,7 +1992,7 @@ def _backward_site_loop(
     if has_rstd and tuple(rstd.shape) != (n_src, M):
         raise ValueError(f"triton depth routing: saved rstd has shape {tuple(rstd.shape)}, expected {(n_src, M)}")
     on_dots = _stats_on_dots(n_sites, n_src, d, heads, gate, has_rstd, like.dtype, grads[0].dtype)
-    both_on_dots = on_dots and _sources_on_dots(d, heads)  # pass two too: no scores round trip, t's head shares instead
+    both_on_dots = on_dots and _sources_on_dots(d, heads, n_sites)  # pass two too: no scores round trip, t's head shares instead
     # s_i and <dr, v_i>_h per site and source, for the vector pass two
     score_a = _new((0,) if both_on_dots else (n_sites, n_src, *lse.shape[1:], 2), torch.float32, device)
     t_part = _new((n_src, M, heads) if both_on_dots else (0,), torch.float32, device)

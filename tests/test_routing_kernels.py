@@ -645,9 +645,11 @@ def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     # only pads (40 = 32 + 8, under the 16 columns of a product) not pass two, nor 160 padded
     assert tr._stats_on_dots(**{**ok, "d": 1280}) and tr._fwd_on_dots(**{**fwd, "d": 1280})
     assert [tr._dot_lanes(w) for w in (16, 40, 48, 96, 112, 128, 160)] == [(16, 0), (64, 0), (32, 16), (64, 32), (128, 0), (128, 0), (128, 32)]
-    assert tr._sources_on_dots(1024, 8) and tr._sources_on_dots(1280, 8) and tr._sources_on_dots(384, 8) and not tr._sources_on_dots(320, 8)
+    assert tr._sources_on_dots(1024, 8, 8) and tr._sources_on_dots(1280, 8, 8) and tr._sources_on_dots(384, 8, 2) and not tr._sources_on_dots(320, 8, 8)
+    # one site: two column tiles keep pass two on the vector kernel, a power of two does not
+    assert tr._sources_on_dots(1024, 8, 1) and not tr._sources_on_dots(1280, 8, 1)
     monkeypatch.setattr(tr, "DOT_SPLIT_WIDTH", False)
-    assert tr._dot_lanes(160) == (256, 0) and not tr._sources_on_dots(1280, 8) and not tr._sources_on_dots(384, 8)
+    assert tr._dot_lanes(160) == (256, 0) and not tr._sources_on_dots(1280, 8, 8) and not tr._sources_on_dots(384, 8, 8)
     assert not tr._fwd_on_dots(**{**fwd, "n_sites": tr.DOT_FWD_MIN_SITES - 1})
     for sites, n, width in itertools.product((1, 3, 8, 16), (1, 2, 9, 41, 64), (16, 48, 64, 128, 160)):
         bs, bn, bm = tr._dot_tile(sites, n, width)
