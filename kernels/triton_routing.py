@@ -117,7 +117,9 @@ WARPS: dict[str, int] = {}
 # backward with pass one on one token and one warp 0.845 / 6.068 against 1.197 / 9.159, with pass two
 # so 1.204 / 7.924 against 1.212 / 8.904; the merges' forward 0.079 / 0.127 / 0.207 ms (one newer
 # source, additive form, four) against 0.090 / 0.123 / 0.227, their backward 0.402 / 0.920 (one,
-# four) against 0.457 / 1.062 and the additive form's 0.625 against 0.739. A key with a third field
+# four) against 0.457 / 1.062. The additive form's backward took 0.625 ms against 0.739 alone, but in
+# training (where the block's stream is rebuilt) Delta block 0.805 x prenorm against 0.817 on the
+# rule's tile and Delta full 0.642 against 0.668, so it keeps the rule's. A key with a third field
 # holds for that head count only (measured at it: H = 1; pass two with H = 8 was best on the rule's
 # tile, 6.832 ms against 7.073 on one warp).
 # Not used where ``WARPS`` names the kind (tuning runs).
@@ -126,7 +128,7 @@ TUNED_TILES: dict[tuple, tuple[int, int]] = {
     ("bwd_add", 512): (1024, 2), ("bwd_add", 1024): (1024, 2),
     ("bwd_stats", 512): (2048, 2), ("bwd_stats", 1024): (2048, 2),
     ("bwd_sources", 512): (2048, 2), ("bwd_sources", 1024): (1024, 2),
-    ("fwd", 1280, 1): (2560, 1), ("merge_fwd", 1280): (1280, 1), ("bwd", 1280): (1280, 2), ("bwd_add", 1280): (1280, 2),
+    ("fwd", 1280, 1): (2560, 1), ("merge_fwd", 1280): (1280, 1), ("bwd", 1280): (1280, 2),
     ("bwd_stats", 1280, 1): (1280, 1), ("bwd_sources", 1280, 1): (1280, 1),
 }
 MAX_TILE_ELEMENTS = 8192

@@ -300,7 +300,7 @@ def test_tuned_tiles_hold_at_their_width_and_head_count_only():
     tokens = lambda kind, d, heads: tr._tile(kind, 1, d, heads, False)[1:3]  # noqa: E731 - (tokens, warps)
     assert tokens("bwd_sources", 1280, 1) == (1, 1) and tokens("fwd", 1280, 1) == (2, 1)
     assert tokens("bwd_sources", 1280, 8) == (1, 4) and tokens("fwd", 1280, 8) == (2, 4)  # the rule: 2048 / 4096 elements, 4 warps at least
-    assert tokens("bwd", 1280, 1) == tokens("bwd", 1280, 8) == (1, 2)
+    assert tokens("bwd", 1280, 1) == tokens("bwd", 1280, 8) == (1, 2) and tokens("bwd_add", 1280, 8) == (1, 4)
     assert tokens("bwd_sources", 1024, 8) == (1, 2) and tokens("bwd_sources", 768, 8) == (2, 4)
     assert tr._tile("bwd_sources", 1, 1280, 1, True)[1:3] == tr._tile("bwd_sources", 1, 1280, 8, True)[1:3] == (32, 4)
 
