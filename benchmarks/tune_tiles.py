@@ -140,7 +140,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="folder of tune_tiles.csv (rows are appended)")
     ap.add_argument("--shapes", default="phase1,full,one-site", help="comma-separated: which shape families to run "
                     "(phase1, full, op: one site over 9 and 2L+1 sources at H = 1, merge, dots, passes, dot-tune, one-site)")
-    ap.add_argument("--kinds", default="", help="comma-separated launch kinds to vary (fwd, bwd_stats, bwd_sources, merge_fwd, bwd); default all")
+    ap.add_argument("--kinds", default="", help="comma-separated launch kinds to vary (fwd, bwd_stats, bwd_sources, merge_fwd, bwd, "
+                    "bwd_add: the additive merge's backward); default all")
     args = ap.parse_args(argv)
     families = set(args.shapes.split(","))
     d, layers, M = SCALES[args.scale]
@@ -178,9 +179,9 @@ def main(argv=None):
             fwd, bwd = build(*data, heads)
             ref_out, ref_grads = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in bwd()]
             for kind, configs in configs_by_kind.items():
+                kind = "bwd_add" if kind == "bwd" and name.endswith("additive") else kind  # the additive form's tile kind
                 if kinds and kind not in kinds:
                     continue
-                kind = "bwd_add" if kind == "bwd" and name.endswith("additive") else kind  # the additive form's tile kind
                 tried = set()
                 for elements, warps in configs:
                     if (tokens_per_program(elements, d, heads), warps) in tried:

@@ -111,15 +111,18 @@ WARPS: dict[str, int] = {}
 # against 0.788 at 100m); the forward of a merge ("merge_fwd") moved its 201 MB at 2.9-3.4 TB/s
 # on every tile tried (0.060-0.070 ms at 350m), so it keeps the forward's tile; the
 # replacement form's backward measured within the spread of training ("bwd", 2048 on 8 warps kept).
-# At d = 1280 (1b; ``--scale 1b --shapes op,merge,phase1``, BENCHMARKS.md, fourteenth set) programs of
-# one or two tokens on one or two warps, where the rule gave one or two tokens on 4: at one site over
+# At 1280 lanes per token (d = 1280 at 1b; the key is lanes per token, so d = 960 with H = 6 takes
+# them too, unmeasured; ``tune_tiles.py --scale 1b --shapes op,merge``, then ``--shapes phase1 --kinds
+# bwd_sources``, BENCHMARKS.md, fourteenth set) programs of one or two tokens on one or two warps,
+# where the rule gave one or two tokens on 4: at one site over
 # 9 / 73 sources with H = 1 the forward took 0.254 / 1.641 ms against 0.397 / 2.772, the whole
 # backward with pass one on one token and one warp 0.845 / 6.068 against 1.197 / 9.159, with pass two
 # so 1.204 / 7.924 against 1.212 / 8.904; the merges' forward 0.079 / 0.127 / 0.207 ms (one newer
 # source, additive form, four) against 0.090 / 0.123 / 0.227, their backward 0.402 / 0.920 (one,
 # four) against 0.457 / 1.062. The additive form's backward took 0.625 ms against 0.739 alone, but in
-# training (where the block's stream is rebuilt) Delta block 0.805 x prenorm against 0.817 on the
-# rule's tile and Delta full 0.642 against 0.668, so it keeps the rule's. A key with a third field
+# training (where the block's stream is rebuilt) Delta block ran at 0.802-0.806 x prenorm with it in
+# three calls against 0.816-0.817 on the rule's tile (``untuned``, ``bwd-add-rule``), so it keeps the
+# rule's (Delta full: 0.642-0.674 with it, 0.668 without, within its spread). A key with a third field
 # holds for that head count only (measured at it: H = 1; pass two with H = 8 was best on the rule's
 # tile, 6.832 ms against 7.073 on one warp).
 # Not used where ``WARPS`` names the kind (tuning runs).
@@ -207,7 +210,7 @@ DOT_STAGES: dict[str, int] = {"bwd_sources_dot": 1}
 DOT_MAX_SITES = 16
 DOT_MAX_SOURCES = 64
 DOT_MIN_HEAD_WIDTH = 128
-# 1b's 160, padded to 256: pass one measured faster in training (full MHAR 0.643 against 0.610 x
+# 1b's 160, padded to 256 (the eleventh set; two column tiles since the fourteenth, ``DOT_SPLIT_WIDTH``): pass one measured faster in training (full MHAR 0.643 against 0.610 x
 # prenorm, block MHAR 0.928 against 0.921), pass two slower there (both passes: full 0.605 against
 # 0.612, block 0.894 against 0.927), so pass two takes only widths that need no padding
 # (``_sources_on_dots``; ``DOT_SOURCES_PADDED`` lets it take them, for benchmarks). BENCHMARKS.md,
@@ -219,10 +222,12 @@ DOT_SOURCES_PADDED = False
 # ``SPLIT_WIDTH`` does for the vector kernels, instead of one padded to the next power of two:
 # 3/8 of every product at 160 was padding. Pass two takes them too (``_sources_on_dots``). A benchmark
 # knob (``pad-dots``: padded, pass two on the vector kernel, the code before the fourteenth set).
-# In training at 1b on an H200 (BENCHMARKS.md, fourteenth set) full MHAR took 0.729 x prenorm against
-# 0.649 padded (with the tiles before ``TUNED_TILES`` had d = 1280). Pass two of a single site there
-# (one site over 9 sources, H = 8: its sites padded to 16 rows of the tile) took 4.09 ms against
-# 2.45 on the vector kernel, so at two column tiles it needs ``DOT_SPLIT_SOURCES_MIN_SITES`` sites.
+# In training at 1b on an H200 (BENCHMARKS.md, fourteenth set) full MHAR took 0.729 x prenorm with
+# both this and the d = 1280 tiles against 0.649 with neither (one call), and 0.734 against 0.720
+# without the tiles (another): about 0.07 is this. The backward of a single site there (one site over
+# 9 sources, H = 8, its site padded to 16 rows of the tile) took 4.09 ms with pass two on tensor
+# cores against 1.87 with it on the vector kernel (two calls), so at two column tiles pass two needs
+# ``DOT_SPLIT_SOURCES_MIN_SITES`` sites.
 DOT_SPLIT_WIDTH = True
 DOT_SPLIT_SOURCES_MIN_SITES = 2
 # Rows of either operand of a tile at most: the products [BM*BS, BM*BN] grow as the square of the
@@ -1862,7 +1867,7 @@ def _stats_on_dots(n_sites: int, n_src: int, d: int, heads: int, gate: Optional[
     """Whether pass one of the site loop runs on tensor cores (``_route_bwd_stats_dot``): ``DOT_STATS``,
     the replacement form with the key rstd saved, at most ``DOT_MAX_SITES`` sites and
     ``DOT_MAX_SOURCES`` sources (one tile), a head width from ``DOT_MIN_HEAD_WIDTH`` to
-    ``DOT_MAX_HEAD_WIDTH`` (the kernels pad it to a power of two, ``_dot_width``), bf16 sources and
+    ``DOT_MAX_HEAD_WIDTH`` (the kernels hold it as one or two column tiles, ``_dot_lanes``), bf16 sources and
     gradients (float32 would multiply on the vector units anyway)."""
     dh = d // heads
     return (

@@ -360,7 +360,8 @@ DOT_CPU_TILES = [(*c, 4096) for c in DOT_CPU] + [(*c, 256) for c in DOT_CPU if c
 )
 def test_pass_one_on_tensor_cores_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype, tile_elements):
     """Pass one of the site loop as products of (token, site) and (token, source) rows
-    (``_route_bwd_stats_dot``): N = 1 .. 41 sources, 1 to 16 sites, head widths 16 to 128, bf16
+    (``_route_bwd_stats_dot``): N = 1 .. 41 sources, 1 to 16 sites, head widths 16 to 160 (48 and 160
+    as two column tiles, 40 padded), bf16
     (float32 factors entering as bf16x2 splits), token counts no tile divides, tiles of several tokens
     and of one: the outputs, lse and every gradient against float64 within the bf16 tolerance, the
     query and gain gradients as close as the vector kernel's, and the tensor-core kernel ran."""
@@ -484,18 +485,20 @@ def test_pass_two_on_tensor_cores_matches_float64_reference(monkeypatch, n, site
         assert bf16_flips(a, b) < 0.05, bf16_flips(a, b)
 
 
-def test_pass_two_on_tensor_cores_adds_into_sink_slots_and_only_there(monkeypatch):
+@pytest.mark.parametrize("heads", [3, 2], ids=["width32", "width48-two-tiles"])
+def test_pass_two_on_tensor_cores_adds_into_sink_slots_and_only_there(monkeypatch, heads):
     """Pass two on tensor cores writing into a gradient sink: two passes over collected sources
     (the later one, over sources 0 and 2, runs its backward first, so the earlier one adds to
     slots 0 and 2 and writes the others), and source 1 also fed to a plain use (its slot's target
-    and addend then differ); with three heads of width 32. Every source gradient against float64,
-    and within rounding of the vector pass two's."""
+    and addend then differ); with three heads of width 32, and two of width 48 (two column tiles).
+    Every source gradient against float64, and within rounding of the vector pass two's."""
     from lit_mhar.kernels.sink import GradientSink
 
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
     launched = spy_launches(monkeypatch)
-    d, heads, tokens = 96, 3, 13
+    d, tokens = 96, 13
+    assert (tr._dot_lanes(d // heads)[1] > 0) == (heads == 2)
     g = torch.Generator().manual_seed(12)
     xs = [(torch.randn(tokens, d, generator=g) * (0.5 + i % 3)).to(DEVICE, torch.bfloat16) for i in range(5)]
     q1, g1 = (2.0 * (heads / d) ** 0.5 * torch.randn(3, d, generator=g)).to(DEVICE), (1 + 0.3 * torch.randn(3, d, generator=g)).to(DEVICE)
@@ -551,7 +554,8 @@ def test_pass_two_on_tensor_cores_adds_into_the_gradient_sink(monkeypatch):
         assert rel_err(grads_d[name], grads_v[name]) < 2e-2, name
 
 
-# phase-one passes (two sites or more) of DOT_CPU, head widths 48 and 160 (padded), at the tests'
+# phase-one passes (two sites or more) of DOT_CPU, head widths 48 and 160 (two column tiles) and 40
+# (padded) among them, at the tests'
 # score spread and at thirty times it (where a shift of the softmax by another token's maximum would
 # underflow)
 DOT_FWD_CASES = [(*c, 1.0) for c in DOT_CPU if c[1] >= 2] + [(9, 8, 8, 256, 19, torch.bfloat16, 30.0), (17, 3, 1, 160, 11, torch.bfloat16, 30.0)]
@@ -598,20 +602,24 @@ def test_phase_one_forward_on_tensor_cores_matches_float64_reference(monkeypatch
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy, computing with the inf
-def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token(monkeypatch):
+@pytest.mark.parametrize("d,column", [(32, 3), (96, 40)], ids=["width16", "width48-two-tiles-inf-in-the-second"])
+def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token(monkeypatch, d, column):
     """An inf in one token of one source makes that token's outputs non-finite, as on the vector
-    kernel, and leaves the other tokens of its tile finite and equal to a run without the inf."""
+    kernel, and leaves the other tokens of its tile finite and equal to a run without the inf; at
+    head width 48 (two column tiles) with the inf in the second."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "POISON_OUTPUTS", False)
     launched = spy_launches(monkeypatch)
     g = torch.Generator().manual_seed(9)
-    srcs = [torch.randn(16, 32, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
-    queries, gains = (0.3 * torch.randn(2, 32, generator=g)).to(DEVICE), torch.ones(2, 32, device=DEVICE)
+    srcs = [torch.randn(16, d, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
+    queries, gains = (0.3 * torch.randn(2, d, generator=g)).to(DEVICE), torch.ones(2, d, device=DEVICE)
     clean = tr._forward(srcs, queries, gains, 2, 1e-6, None, None, None, None, False)
-    srcs[1][5, 3] = float("inf")
+    srcs[1][5, column] = float("inf")
     outs = tr._forward(srcs, queries, gains, 2, 1e-6, None, None, None, None, False)
-    assert "fwd_sites_dot" in launched and tr._dot_tile(2, 3, 16)[2] > 5  # several tokens per tile
+    dhp, dt = tr._dot_lanes(d // 2)
+    assert dt == 0 if d == 32 else (dt > 0 and column % (d // 2) >= dhp)  # at width 48, a column of the second tile
+    assert "fwd_sites_dot" in launched and tr._dot_tile(2, 3, d // 2)[2] > 5  # several tokens per tile
     for k in range(2):
         assert not torch.isfinite(outs[k][5]).all()
         others = torch.cat([outs[k][:5], outs[k][6:]])
