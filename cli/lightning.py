@@ -166,6 +166,23 @@ def check_ckpt_path(ckpt_path: Any) -> None:
         )
 
 
+def check_checkpoint_dirpath(dirpath: Any) -> None:
+    """Raises FileExistsError when fit's ``--checkpoint.dirpath`` already holds checkpoints
+    (``*.ckpt``): Lightning would save beside them (``last-v1.ckpt``), so the folder's ``last.ckpt``
+    would stay another run's and a resume from it would silently continue that run."""
+    if not dirpath or not isinstance(dirpath, (str, os.PathLike)) or "://" in os.fspath(dirpath):
+        return
+    folder = Path(os.fspath(dirpath))
+    found = sorted(p.name for p in folder.glob("*.ckpt")) if folder.is_dir() else []
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise FileExistsError(
+            f"checkpoint.dirpath={os.fspath(dirpath)!r} already holds checkpoints ({shown}); a fit never saves beside "
+            "another run's. Give an empty or new folder, or leave --checkpoint.dirpath unset (each run then saves under "
+            "its own run folder, runs/<experiment id>/<run id>/checkpoints)"
+        )
+
+
 def utc_stamp() -> str:
     """The current UTC time as ``20261130T070312Z``."""
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -209,6 +226,8 @@ class LitMharCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_accelerator(config.get("trainer.accelerator"), config.get("trainer.devices"))
         check_ckpt_path(config.get("ckpt_path"))
+        if self.subcommand == "fit":
+            check_checkpoint_dirpath(config.get("checkpoint.dirpath"))
         init = _mlflow_init_args(config)
         if init is None:
             return

@@ -250,6 +250,32 @@ def test_missing_ckpt_path_fails_before_the_logger_and_run_folder_exist(tmp_path
         check_ckpt_path(special)  # Lightning resolves these itself
 
 
+def test_fit_refuses_a_checkpoint_folder_that_holds_checkpoints_before_any_work(tmp_path, monkeypatch, capsys):
+    """``--checkpoint.dirpath`` holding another run's ``last.ckpt``: exit 2 naming the folder and its
+    checkpoints, before the data, the run folder or the MLflow store exist; the checkpoint is untouched.
+    A folder holding other files only, or none, is accepted by the check."""
+    from lit_mhar.cli.lightning import check_checkpoint_dirpath
+
+    monkeypatch.chdir(tmp_path)
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "last.ckpt").write_bytes(b"another run")
+    args = fit_args(tmp_path / "data", tmp_path, "--checkpoint.dirpath", str(held))
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", *args])
+    assert main() == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"lit-mhar fit: error: checkpoint.dirpath='{held}' already holds checkpoints (last.ckpt); a fit never saves beside "
+        "another run's. Give an empty or new folder, or leave --checkpoint.dirpath unset (each run then saves under its own "
+        "run folder, runs/<experiment id>/<run id>/checkpoints) (LIT_MHAR_DEBUG=1 shows the traceback)"
+    ]
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "data").exists()
+    assert (held / "last.ckpt").read_bytes() == b"another run" and sorted(p.name for p in held.iterdir()) == ["last.ckpt"]
+    (held / "last.ckpt").unlink()
+    (held / "notes.txt").write_text("mine")
+    for accepted in (held, tmp_path / "new", None, "s3://bucket/checkpoints"):
+        check_checkpoint_dirpath(accepted)
+
+
 def test_fit_says_where_it_saved_the_run_and_checkpoints(small_corpus, tmp_path, capsys):
     main(fit_args(small_corpus, tmp_path, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
                   "--trainer.logger.init_args.tracking_uri", f"sqlite:///{tmp_path / 'mlflow.db'}"))
