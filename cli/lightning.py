@@ -218,8 +218,11 @@ class LitMharCLI(LightningCLI):
       (``checkpoint["mlflow"]``, written by ``LitLM``) when it logs to the same tracking URI:
       metrics go on in that run, and this fit's checkpoints and ``config.yaml`` go to
       ``<run folder>/resumed-<UTC time>/`` (the checkpoint resumed from is never overwritten);
-    * a new run without a ``run_name`` is named ``<preset>-<residual>-H<heads>-S<block_size>-<UTC time>``
-      (MLflow's random names repeat under a fixed seed: ``seed_everything`` seeds them).
+    * a new run without a ``run_name`` is named ``<preset>-<residual>-H<heads>-S<block_size>-<UTC time>``,
+      prefixed ``validate-``, ``test-`` or ``predict-`` for those commands (MLflow's random names
+      repeat under a fixed seed: ``seed_everything`` seeds them);
+    * ``fit --checkpoint.dirpath`` holding checkpoints is refused (:func:`check_checkpoint_dirpath`),
+      and ``validate`` / ``test`` without ``--ckpt_path`` print a note that they score a fresh model.
     """
 
     def before_instantiate_classes(self) -> None:
@@ -228,6 +231,8 @@ class LitMharCLI(LightningCLI):
         check_ckpt_path(config.get("ckpt_path"))
         if self.subcommand == "fit":
             check_checkpoint_dirpath(config.get("checkpoint.dirpath"))
+        elif self.subcommand in ("validate", "test") and not config.get("ckpt_path"):
+            print(f"[lit-mhar] note: {self.subcommand} without --ckpt_path scores a freshly initialised model", file=sys.stderr, flush=True)
         init = _mlflow_init_args(config)
         if init is None:
             return
@@ -240,7 +245,8 @@ class LitMharCLI(LightningCLI):
             model = config.get("model.config")
             parts = [model.get(k) for k in ("name", "residual", "heads", "block_size")] if model is not None else [None] * 4
             if None not in parts:
-                init["run_name"] = f"{parts[0]}-{parts[1]}-H{parts[2]}-S{parts[3]}-{utc_stamp()}"
+                command = f"{self.subcommand}-" if self.subcommand in ("validate", "test", "predict") else ""
+                init["run_name"] = f"{command}{parts[0]}-{parts[1]}-H{parts[2]}-S{parts[3]}-{utc_stamp()}"
             else:
                 init["run_name"] = f"lit-mhar-{utc_stamp()}"
 

@@ -113,6 +113,11 @@ class ModelConfig:
                 f"ModelConfig.residual={self.residual!r} has no depth routing, so heads={self.heads} and "
                 f"block_size={self.block_size} must be left at 1; use residual='attnres' or 'delta'"
             )
+        if self.block_size > 2 * self.n_layer:
+            raise ValueError(
+                f"ModelConfig.block_size={self.block_size} is more than the model's {2 * self.n_layer} sublayers "
+                f"(2 x n_layer={self.n_layer}); valid: 1 to {2 * self.n_layer}"
+            )
         if not isinstance(self.hc_dynamic, bool):
             raise ValueError(f"ModelConfig.hc_dynamic={self.hc_dynamic!r} must be true or false")
         if self.residual != "hyper":

@@ -276,6 +276,19 @@ def test_fit_refuses_a_checkpoint_folder_that_holds_checkpoints_before_any_work(
         check_checkpoint_dirpath(accepted)
 
 
+def test_validate_without_a_checkpoint_says_so_and_names_its_run_after_the_command(small_corpus, tmp_path, capsys):
+    """``validate`` with no ``--ckpt_path`` scores a fresh model: a note on stderr, and its MLflow run
+    is named ``validate-<preset>-...`` so that it does not pass for a fit."""
+    args = fit_args(small_corpus, tmp_path, "--trainer.limit_val_batches", "1")
+    main(["validate", *args[1:]])
+    assert "[lit-mhar] note: validate without --ckpt_path scores a freshly initialised model" in capsys.readouterr().err
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("lit-mhar").experiment_id])
+    assert run.info.run_name.startswith("validate-debug-prenorm-H1-S1-"), run.info.run_name
+
+
 def test_fit_says_where_it_saved_the_run_and_checkpoints(small_corpus, tmp_path, capsys):
     main(fit_args(small_corpus, tmp_path, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
                   "--trainer.logger.init_args.tracking_uri", f"sqlite:///{tmp_path / 'mlflow.db'}"))

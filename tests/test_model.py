@@ -277,6 +277,7 @@ def test_zero_initialised_queries_route_uniformly():
     [
         (dict(residual="attnres", heads=3), "heads"),
         (dict(residual="attnres", block_size=0), "block_size"),
+        (dict(residual="attnres", block_size=9), r"block_size=9 is more than the model's 8 sublayers .*valid: 1 to 8"),
         (dict(residual="attnres", heads=0), "heads"),
         (dict(residual="hyperloop"), "residual"),
         (dict(n_kv_head=3), "n_kv_head"),
@@ -289,7 +290,7 @@ def test_zero_initialised_queries_route_uniformly():
         (dict(residual="prenorm", hc_rate=2), "hc_rate"),
         (dict(residual="delta", hc_dynamic=False), "hc_dynamic"),
     ],
-    ids=["heads-not-dividing-d", "block-size-zero", "heads-zero", "unknown-variant", "kv-heads", "prenorm-with-heads",
+    ids=["heads-not-dividing-d", "block-size-zero", "block-size-past-the-sublayers", "heads-zero", "unknown-variant", "kv-heads", "prenorm-with-heads",
          "hc-rate-zero", "hc-rate-float", "hc-dynamic-not-bool", "hyper-with-heads", "hyper-with-blocks",
          "hc-rate-without-hyper", "hc-dynamic-without-hyper"],
 )
