@@ -78,7 +78,10 @@ def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     """
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (or is not a file)")
+        raise FileNotFoundError(
+            f"checkpoint {str(path)!r} does not exist (or is not a file); give a lit-mhar checkpoint file "
+            "(runs/<experiment id>/<run id>/checkpoints/last.ckpt)"
+        )
     with torch.serialization.safe_globals([ModelConfig]):
         checkpoint = torch.load(p, map_location=map_location, weights_only=True, mmap=True)
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None

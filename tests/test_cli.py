@@ -128,7 +128,8 @@ def test_missing_and_existing_paths_are_user_errors(small_corpus, tmp_path, monk
     monkeypatch.setattr(sys, "argv", ["lit-mhar", "probe", "--checkpoint", str(tmp_path / "no.ckpt"), "--data_dir", str(small_corpus), "--output_dir", str(tmp_path / "p")])
     assert main() == 2
     assert error_lines(capsys.readouterr().err) == [
-        f"lit-mhar probe: error: checkpoint '{tmp_path / 'no.ckpt'}' does not exist (or is not a file) (LIT_MHAR_DEBUG=1 shows the traceback)"
+        f"lit-mhar probe: error: checkpoint '{tmp_path / 'no.ckpt'}' does not exist (or is not a file); give a lit-mhar checkpoint "
+        "file (runs/<experiment id>/<run id>/checkpoints/last.ckpt) (LIT_MHAR_DEBUG=1 shows the traceback)"
     ]
     monkeypatch.setattr(sys, "argv", ["lit-mhar", "prepare", "--output_dir", str(small_corpus), "--source", "files", "--files", '["x.txt"]'])
     assert main() == 2  # FileExistsError: the dataset is there and --overwrite is not given
@@ -189,7 +190,8 @@ def test_the_console_script_prints_no_traceback(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "lit-mhar probe: error: checkpoint 'no.ckpt' does not exist (or is not a file) (LIT_MHAR_DEBUG=1 shows the traceback)"
+        "lit-mhar probe: error: checkpoint 'no.ckpt' does not exist (or is not a file); give a lit-mhar checkpoint "
+        "file (runs/<experiment id>/<run id>/checkpoints/last.ckpt) (LIT_MHAR_DEBUG=1 shows the traceback)"
     ]
 
 
