@@ -210,7 +210,8 @@ DOT_STAGES: dict[str, int] = {"bwd_sources_dot": 1}
 DOT_MAX_SITES = 16
 DOT_MAX_SOURCES = 64
 DOT_MIN_HEAD_WIDTH = 128
-# 1b's 160, padded to 256 (the eleventh set; two column tiles since the fourteenth, ``DOT_SPLIT_WIDTH``): pass one measured faster in training (full MHAR 0.643 against 0.610 x
+# 1b's 160, padded to 256 (the eleventh set; two column tiles since the fourteenth, ``DOT_SPLIT_WIDTH``):
+# pass one measured faster in training (full MHAR 0.643 against 0.610 x
 # prenorm, block MHAR 0.928 against 0.921), pass two slower there (both passes: full 0.605 against
 # 0.612, block 0.894 against 0.927), so pass two takes only widths that need no padding
 # (``_sources_on_dots``; ``DOT_SOURCES_PADDED`` lets it take them, for benchmarks). BENCHMARKS.md,
