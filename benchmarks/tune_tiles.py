@@ -184,9 +184,10 @@ def main(argv=None):
                     continue
                 tried = set()
                 for elements, warps in configs:
-                    if (tokens_per_program(elements, d, heads), warps) in tried:
+                    key = (tokens_per_program(elements, d, heads), warps)
+                    if key in tried:
                         continue
-                    tried.add((tokens_per_program(elements, d, heads), warps))
+                    tried.add(key)
                     tr.TILE_ELEMENTS.update(defaults[0])
                     tr.WARPS.clear()
                     tr.TILE_ELEMENTS[kind], tr.WARPS[kind] = elements, warps

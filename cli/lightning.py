@@ -20,6 +20,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import MLFlowLogger
 
 import lit_mhar
+from lit_mhar.convert import CHECKPOINT_LAYOUT
 from lit_mhar.data import TokenDataModule
 from lit_mhar.module import LitLM
 from lit_mhar.tracking import check_tracking_uri, redact
@@ -162,7 +163,7 @@ def check_ckpt_path(ckpt_path: Any) -> None:
     if not Path(text).is_file():  # as Lightning reads it (no ~ expansion)
         raise FileNotFoundError(
             f"ckpt_path={text!r} does not exist (or is not a file); give a checkpoint file "
-            "(runs/<experiment id>/<run id>/checkpoints/last.ckpt) or one of last, best, hpc"
+            f"({CHECKPOINT_LAYOUT}/last.ckpt) or one of last, best, hpc"
         )
 
 
@@ -179,7 +180,7 @@ def check_checkpoint_dirpath(dirpath: Any) -> None:
         raise FileExistsError(
             f"checkpoint.dirpath={os.fspath(dirpath)!r} already holds checkpoints ({shown}); a fit never saves beside "
             "another run's. Give an empty or new folder, or leave --checkpoint.dirpath unset (each run then saves under "
-            "its own run folder, runs/<experiment id>/<run id>/checkpoints)"
+            f"its own run folder, {CHECKPOINT_LAYOUT})"
         )
 
 
@@ -222,7 +223,7 @@ class LitMharCLI(LightningCLI):
       prefixed ``validate-``, ``test-`` or ``predict-`` for those commands (MLflow's random names
       repeat under a fixed seed: ``seed_everything`` seeds them);
     * ``fit --checkpoint.dirpath`` holding checkpoints is refused (:func:`check_checkpoint_dirpath`),
-      and ``validate`` / ``test`` without ``--ckpt_path`` print a note that they score a fresh model.
+      and ``validate`` / ``test`` / ``predict`` without ``--ckpt_path`` print a note that they run a fresh model.
     """
 
     def before_instantiate_classes(self) -> None:
@@ -231,8 +232,8 @@ class LitMharCLI(LightningCLI):
         check_ckpt_path(config.get("ckpt_path"))
         if self.subcommand == "fit":
             check_checkpoint_dirpath(config.get("checkpoint.dirpath"))
-        elif self.subcommand in ("validate", "test") and not config.get("ckpt_path"):
-            print(f"[lit-mhar] note: {self.subcommand} without --ckpt_path scores a freshly initialised model", file=sys.stderr, flush=True)
+        elif self.subcommand in ("validate", "test", "predict") and not config.get("ckpt_path"):
+            print(f"[lit-mhar] note: {self.subcommand} without --ckpt_path runs a freshly initialised model", file=sys.stderr, flush=True)
         init = _mlflow_init_args(config)
         if init is None:
             return

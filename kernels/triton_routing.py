@@ -1707,8 +1707,9 @@ def _forward(
         w_hi = w.to(torch.bfloat16)
         w_lo = (w - w_hi.float()).to(torch.bfloat16)
         tiles = triton.cdiv(M, bm_dot)
+        dhp, dt_dot = _dot_lanes(d // heads)
         flags = dict(
-            D=d, H=heads, DH=d // heads, DHP=_dot_lanes(d // heads)[0], DT=_dot_lanes(d // heads)[1], BS=bs_dot, BN=bn_dot, BM=bm_dot,
+            D=d, H=heads, DH=d // heads, DHP=dhp, DT=dt_dot, BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(),
             STORE_RSTD=store_rstd, DOT_F32=interpret, **_dot_launch("fwd_sites_dot", bm_dot),
         )
@@ -2031,8 +2032,9 @@ def _backward_site_loop(
         w_hi = w.to(torch.bfloat16)
         w_lo = (w - w_hi.float()).to(torch.bfloat16)
         tiles_dot = triton.cdiv(M, bm_dot)
+        dhp, dt_dot = _dot_lanes(d // heads)  # pass two's too
         dot_flags = dict(
-            D=d, H=heads, DH=d // heads, DHP=_dot_lanes(d // heads)[0], DT=_dot_lanes(d // heads)[1], BS=bs_dot, BN=bn_dot, BM=bm_dot,
+            D=d, H=heads, DH=d // heads, DHP=dhp, DT=dt_dot, BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), HAS_DLSE=grad_lse is not None,
             DOT_F32=interpret, STORE_SA=not both_on_dots, STORE_T=both_on_dots,
             **_dot_launch("bwd_stats_dot", bm_dot),
@@ -2055,8 +2057,7 @@ def _backward_site_loop(
         _kernel("bwd_stats", interpret)[(per_group * n_groups,)](*stats_args(dw, dgate if gate is not None else w, per_group), **flags)
     if both_on_dots:
         src_flags = dict(
-            D=d, H=heads, BH=triton.next_power_of_2(heads), DH=d // heads, DHP=_dot_lanes(d // heads)[0], DT=_dot_lanes(d // heads)[1],
-            BS=bs_dot, BN=bn_dot, BM=bm_dot,
+            D=d, H=heads, BH=triton.next_power_of_2(heads), DH=d // heads, DHP=dhp, DT=dt_dot, BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), DOT_F32=interpret, ACC=n_acc > 0,
             **_dot_launch("bwd_sources_dot", bm_dot),
         )

@@ -60,6 +60,10 @@ _FREE_FIELDS = ("name", "seq_len", "vocab_size", "init_std")
 # ----------------------------------------------------------------------------- lit-mhar checkpoints
 
 
+# Where a fit saves its checkpoints, as the errors about a missing one name it.
+CHECKPOINT_LAYOUT = "runs/<experiment id>/<run id>/checkpoints"
+
+
 def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> tuple[ModelConfig, dict[str, Tensor], dict[str, Any]]:
     """The model config, LM weights and the whole dict of a lit-mhar (:class:`LitLM`) checkpoint.
 
@@ -80,7 +84,7 @@ def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     if not p.is_file():
         raise FileNotFoundError(
             f"checkpoint {str(path)!r} does not exist (or is not a file); give a lit-mhar checkpoint file "
-            "(runs/<experiment id>/<run id>/checkpoints/last.ckpt)"
+            f"({CHECKPOINT_LAYOUT}/last.ckpt)"
         )
     with torch.serialization.safe_globals([ModelConfig]):
         checkpoint = torch.load(p, map_location=map_location, weights_only=True, mmap=True)

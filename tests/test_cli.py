@@ -283,7 +283,7 @@ def test_validate_without_a_checkpoint_says_so_and_names_its_run_after_the_comma
     is named ``validate-<preset>-...`` so that it does not pass for a fit."""
     args = fit_args(small_corpus, tmp_path, "--trainer.limit_val_batches", "1")
     main(["validate", *args[1:]])
-    assert "[lit-mhar] note: validate without --ckpt_path scores a freshly initialised model" in capsys.readouterr().err
+    assert "[lit-mhar] note: validate without --ckpt_path runs a freshly initialised model" in capsys.readouterr().err
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
