@@ -13,7 +13,9 @@ check fails gets no time. It also times the two backward kernels against each ot
 and N sources, which sets ``SITE_LOOP_MIN_SOURCES``, and (``--shapes dots``) pass one of the site
 loop on tensor cores against the vector kernel, by warps and elements per tile,
 (``--shapes passes``) pass one, then both passes, on tensor cores against the vector kernels, and
-(``--shapes dot-tune``) each tensor-core kernel by warps and pipelining stages, then by tile.
+(``--shapes dot-tune``) each tensor-core kernel by warps and pipelining stages, then by tile, and
+(``--shapes wide``) passes over more than 64 sources on the vector kernels against tensor-core
+tiles of up to 128 sources.
 
     python benchmarks/tune_tiles.py --scale 350m --out OUT    # writes OUT/tune_tiles.csv
 """
@@ -139,7 +141,7 @@ def main(argv=None):
     ap.add_argument("--scale", choices=list(SCALES), default="350m")
     ap.add_argument("--out", required=True, help="folder of tune_tiles.csv (rows are appended)")
     ap.add_argument("--shapes", default="phase1,full,one-site", help="comma-separated: which shape families to run "
-                    "(phase1, full, op: one site over 9 and 2L+1 sources at H = 1, merge, dots, passes, dot-tune, one-site)")
+                    "(phase1, full, op: one site over 9 and 2L+1 sources at H = 1, merge, dots, passes, dot-tune, wide, one-site)")
     ap.add_argument("--kinds", default="", help="comma-separated launch kinds to vary (fwd, bwd_stats, bwd_sources, merge_fwd, bwd, "
                     "bwd_add: the additive merge's backward); default all")
     args = ap.parse_args(argv)
@@ -261,6 +263,39 @@ def main(argv=None):
                         emit(check_and_time(row, lambda: lambda: fwd()[0], ref_out, bench))
                     else:
                         emit(check_and_time(row, lambda: runner(*data, 8)[1], ref_grads, bench))
+                for k, v in saved.items():
+                    setattr(tr, k, v)
+                del data, fwd, bwd, ref_out, ref_grads
+                torch.cuda.empty_cache()
+
+        # "wide": phase-one passes over more sources than one tensor-core tile held before
+        # (DOT_MAX_SOURCES = 64): full routing's last group (2L - 7 sources, 8 sites) and its final
+        # site (2L + 1 sources), H = 8, on the vector kernels against the tensor-core kernels with
+        # tiles of up to 128 sources, by warps of the three tensor-core kernels; forward and the
+        # whole backward timed apart, each checked against the vector kernels' result
+        if "wide" in families:
+            wide_settings = [("vector", dict(DOT_FWD=False, DOT_STATS=False, DOT_SOURCES=False, DOT_MAX_SOURCES=64, WARPS={}))] + [
+                (f"dots128-w{w or 'default'}", dict(DOT_FWD=True, DOT_STATS=True, DOT_SOURCES=True, DOT_MAX_SOURCES=128,
+                                                    WARPS={k: w for k in ("fwd_sites_dot", "bwd_stats_dot", "bwd_sources_dot")} if w else {}))
+                for w in (0, 2, 4, 8)
+            ]
+            for n, sites in ((2 * layers - 7, 8), (2 * layers + 1, 1)):
+                data = make(M, d, n, sites, 8, seed=n)
+                saved = {k: getattr(tr, k) for k in ("DOT_FWD", "DOT_STATS", "DOT_SOURCES", "DOT_MAX_SOURCES", "WARPS")}
+                for k, v in wide_settings[0][1].items():
+                    setattr(tr, k, v)
+                fwd, bwd = runner(*data, 8)
+                ref_out, ref_grads = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in bwd()]
+                bench = lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median")  # noqa: E731
+                for label, settings in wide_settings:
+                    for k, v in settings.items():
+                        setattr(tr, k, v)
+                    for kind in ("fwd", "backward"):
+                        row = dict(shape=f"wide-N{n}-S{sites}-H8", kind=kind, elements=label, warps=settings["WARPS"].get("bwd_stats_dot", "default"))
+                        if kind == "fwd":
+                            emit(check_and_time(row, lambda: lambda: fwd()[0], ref_out, bench))
+                        else:
+                            emit(check_and_time(row, lambda: runner(*data, 8)[1], ref_grads, bench))
                 for k, v in saved.items():
                     setattr(tr, k, v)
                 del data, fwd, bwd, ref_out, ref_grads

@@ -208,7 +208,10 @@ DOT_PROGRAMS_PER_SM = 16
 # were within the spread (full MHAR 0.820 against 0.817 with either former setting). Benchmark knobs.
 DOT_STAGES: dict[str, int] = {"bwd_sources_dot": 1}
 DOT_MAX_SITES = 16
-DOT_MAX_SOURCES = 64
+# Sources of one tensor-core tile (all of a token's sources, padded to a power of two). At 64, full
+# routing's last group at 1b (8 sites over 65 sources) ran on the vector kernels: 13.5 ms forward and
+# 39.4 ms backward in a 580 ms step of full MHAR (BENCHMARKS.md, fifteenth set).
+DOT_MAX_SOURCES = 128
 DOT_MIN_HEAD_WIDTH = 128
 # 1b's 160, padded to 256 (the eleventh set; two column tiles since the fourteenth, ``DOT_SPLIT_WIDTH``):
 # pass one measured faster in training (full MHAR 0.643 against 0.610 x

@@ -345,6 +345,7 @@ DOT_CPU = [
     (1, 3, 4, 64, 37, torch.bfloat16), (9, 8, 8, 256, 19, torch.bfloat16), (17, 8, 4, 128, 23, torch.bfloat16),
     (33, 16, 2, 64, 5, torch.bfloat16), (2, 2, 1, 32, 30, torch.bfloat16), (9, 1, 8, 512, 7, torch.bfloat16),
     (41, 8, 1, 32, 9, torch.bfloat16), (9, 8, 1, 128, 5, torch.bfloat16),
+    (70, 3, 2, 64, 9, torch.bfloat16),  # over 64 sources: a tile of 128 source rows
     (9, 6, 2, 96, 13, torch.bfloat16), (5, 3, 1, 160, 11, torch.bfloat16),  # head widths 48 and 160: two column tiles
     (5, 3, 2, 80, 11, torch.bfloat16),  # head width 40, padded to 64
 ]
@@ -360,7 +361,7 @@ DOT_CPU_TILES = [(*c, 4096) for c in DOT_CPU] + [(*c, 256) for c in DOT_CPU if c
 )
 def test_pass_one_on_tensor_cores_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype, tile_elements):
     """Pass one of the site loop as products of (token, site) and (token, source) rows
-    (``_route_bwd_stats_dot``): N = 1 .. 41 sources, 1 to 16 sites, head widths 16 to 160 (48 and 160
+    (``_route_bwd_stats_dot``): N = 1 .. 70 sources, 1 to 16 sites, head widths 16 to 160 (48 and 160
     as two column tiles, 40 padded), bf16
     (float32 factors entering as bf16x2 splits), token counts no tile divides, tiles of several tokens
     and of one: the outputs, lse and every gradient against float64 within the bf16 tolerance, the
@@ -463,7 +464,7 @@ def spy_launches(monkeypatch) -> list[str]:
 
 
 # the lighter pass-one cases, one site, and a head count that is not a power of two (width 32)
-DOT_PASS_TWO = [(*c, True) for c in DOT_CPU[:6] + DOT_CPU[-3:]] + [(9, 3, 3, 96, 13, torch.bfloat16, True), (9, 4, 2, 64, 11, torch.bfloat16, False)]
+DOT_PASS_TWO = [(*c, True) for c in DOT_CPU[:6] + DOT_CPU[-4:]] + [(9, 3, 3, 96, 13, torch.bfloat16, True), (9, 4, 2, 64, 11, torch.bfloat16, False)]
 
 
 @pytest.mark.parametrize(
@@ -628,14 +629,14 @@ def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token
 
 def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     """The tensor-core kernel takes the replacement form with the key rstd saved, at most 16 sites and
-    64 sources, a head width from 128 to 160 (DOT_MIN_HEAD_WIDTH and DOT_MAX_HEAD_WIDTH; 64 was slower
+    128 sources, a head width from 128 to 160 (DOT_MIN_HEAD_WIDTH and DOT_MAX_HEAD_WIDTH; 64 was slower
     in training), bf16; anything else keeps the vector kernel. Pass two takes widths held without
     padding only (a power of two, or two column tiles: ``_dot_lanes``). Its tiles hold at least 16 rows of each
     operand, about DOT_TILE_ELEMENTS elements of the padded head width and at most DOT_MAX_ROWS rows."""
     ok = dict(n_sites=8, n_src=41, d=1024, heads=8, gate=None, has_rstd=True, dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
     assert tr._stats_on_dots(**ok)
     for change in (
-        dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(n_src=65), dict(heads=1), dict(d=96, heads=8), dict(d=512, heads=8),
+        dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(n_src=129), dict(heads=1), dict(d=96, heads=8), dict(d=512, heads=8),
         dict(d=2048), dict(d=64, heads=8), dict(dtype=torch.float16, grad_dtype=torch.float16),
         dict(dtype=torch.float32, grad_dtype=torch.float32), dict(grad_dtype=torch.float32),
     ):
@@ -645,7 +646,7 @@ def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     fwd = dict(n_sites=8, n_src=41, d=1024, heads=8, stream=None, prior_out=None, store_scores=False, norm_weight=None, dtype=torch.bfloat16)
     assert tr._fwd_on_dots(**fwd)
     for change in (
-        dict(n_sites=1), dict(n_sites=17), dict(n_src=0), dict(n_src=65), dict(stream=torch.ones(1)), dict(prior_out=torch.ones(1)),
+        dict(n_sites=1), dict(n_sites=17), dict(n_src=0), dict(n_src=129), dict(stream=torch.ones(1)), dict(prior_out=torch.ones(1)),
         dict(store_scores=True), dict(norm_weight=torch.ones(1)), dict(d=512), dict(d=2048), dict(dtype=torch.float32),
     ):
         assert not tr._fwd_on_dots(**{**fwd, **change}), change
