@@ -198,6 +198,10 @@ DOT_STATS = True
 DOT_TILE_ELEMENTS = 4096
 DOT_WARPS = 2
 DOT_WARPS_ONE_TOKEN = {"fwd_sites_dot": 2, "bwd_stats_dot": 4, "bwd_sources_dot": 4}
+# ... and where that one token's tile holds more than 64 sources (8 sites over 65 sources at 1b, H = 8,
+# ``tune_tiles.py --shapes wide``, BENCHMARKS.md, fifteenth set): the forward took 7.71 ms on 4 warps
+# against 13.93 on 2 and 10.29 on 8 (12.90 on the vector kernel), the backward 15.51 / 330.09 / 18.88.
+DOT_WARPS_ONE_TOKEN_WIDE = 4
 DOT_PROGRAMS_PER_SM = 16
 # Software-pipelining stages (Triton's ``num_stages``) by tensor-core kernel where set; else
 # Triton's default (3). Measured on an H200 (``tune_tiles.py --shapes dot-tune``, 350m, H = 8, bf16,
@@ -209,9 +213,13 @@ DOT_PROGRAMS_PER_SM = 16
 DOT_STAGES: dict[str, int] = {"bwd_sources_dot": 1}
 DOT_MAX_SITES = 16
 # Sources of one tensor-core tile (all of a token's sources, padded to a power of two). At 64, full
-# routing's last group at 1b (8 sites over 65 sources) ran on the vector kernels: 13.5 ms forward and
-# 39.4 ms backward in a 580 ms step of full MHAR (BENCHMARKS.md, fifteenth set).
+# routing's last group at 1b (8 sites over 65 sources) ran on the vector kernels, 13.5 ms forward and
+# 39.4 ms backward in a 580 ms step of full MHAR; on tiles of 128 sources its backward took 15.5 ms
+# against 37.1 (``tune_tiles.py --shapes wide``, BENCHMARKS.md, fifteenth set). A single site keeps
+# tiles of at most ``DOT_MAX_SOURCES_ONE_SITE``: its site padded to 16 rows, the final site over 73
+# sources took 10.2 ms backward there against 8.7 on the vector kernels.
 DOT_MAX_SOURCES = 128
+DOT_MAX_SOURCES_ONE_SITE = 64
 DOT_MIN_HEAD_WIDTH = 128
 # 1b's 160, padded to 256 (the eleventh set; two column tiles since the fourteenth, ``DOT_SPLIT_WIDTH``):
 # pass one measured faster in training (full MHAR 0.643 against 0.610 x
@@ -1714,7 +1722,7 @@ def _forward(
         flags = dict(
             D=d, H=heads, DH=d // heads, DHP=dhp, DT=dt_dot, BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(),
-            STORE_RSTD=store_rstd, DOT_F32=interpret, **_dot_launch("fwd_sites_dot", bm_dot),
+            STORE_RSTD=store_rstd, DOT_F32=interpret, **_dot_launch("fwd_sites_dot", bm_dot, bn_dot),
         )
 
         src_offs, out_offs = _offsets(srcs, base), _offsets(outs, outs[0])
@@ -1871,12 +1879,13 @@ def _backward(
 def _stats_on_dots(n_sites: int, n_src: int, d: int, heads: int, gate: Optional[Tensor], has_rstd: bool, dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
     """Whether pass one of the site loop runs on tensor cores (``_route_bwd_stats_dot``): ``DOT_STATS``,
     the replacement form with the key rstd saved, at most ``DOT_MAX_SITES`` sites and
-    ``DOT_MAX_SOURCES`` sources (one tile), a head width from ``DOT_MIN_HEAD_WIDTH`` to
+    ``DOT_MAX_SOURCES`` sources (one tile; ``DOT_MAX_SOURCES_ONE_SITE`` for one site), a head width from ``DOT_MIN_HEAD_WIDTH`` to
     ``DOT_MAX_HEAD_WIDTH`` (the kernels hold it as one or two column tiles, ``_dot_lanes``), bf16 sources and
     gradients (float32 would multiply on the vector units anyway)."""
     dh = d // heads
     return (
-        DOT_STATS and gate is None and has_rstd and n_sites <= DOT_MAX_SITES and n_src <= DOT_MAX_SOURCES
+        DOT_STATS and gate is None and has_rstd and n_sites <= DOT_MAX_SITES
+        and n_src <= (DOT_MAX_SOURCES if n_sites > 1 else DOT_MAX_SOURCES_ONE_SITE)
         and DOT_MIN_HEAD_WIDTH <= dh <= DOT_MAX_HEAD_WIDTH and dtype == torch.bfloat16 and grad_dtype == dtype
     )
 
@@ -1919,11 +1928,13 @@ def _dot_programs(name: str, device: torch.device, tiles: int, heads: int, args,
     return min(tiles, max(1, sms * resident // heads))
 
 
-def _dot_launch(name: str, bm: int) -> dict:
-    """Launch options of tensor-core kernel ``name`` on tiles of ``bm`` tokens: its warps (``WARPS``
-    where set, else ``DOT_WARPS``, or the kernel's ``DOT_WARPS_ONE_TOKEN`` for tiles of one token) and its
-    pipelining stages where ``DOT_STAGES`` sets them."""
-    opts = dict(num_warps=WARPS.get(name, DOT_WARPS if bm > 1 else DOT_WARPS_ONE_TOKEN[name]))
+def _dot_launch(name: str, bm: int, bn: int) -> dict:
+    """Launch options of tensor-core kernel ``name`` on tiles of ``bm`` tokens and ``bn`` sources: its
+    warps (``WARPS`` where set, else ``DOT_WARPS``, or for tiles of one token the kernel's
+    ``DOT_WARPS_ONE_TOKEN``, ``DOT_WARPS_ONE_TOKEN_WIDE`` over 64 sources) and its pipelining stages
+    where ``DOT_STAGES`` sets them."""
+    one_token = DOT_WARPS_ONE_TOKEN_WIDE if bn > 64 else DOT_WARPS_ONE_TOKEN[name]
+    opts = dict(num_warps=WARPS.get(name, DOT_WARPS if bm > 1 else one_token))
     if name in DOT_STAGES:
         opts["num_stages"] = DOT_STAGES[name]
     return opts
@@ -2040,7 +2051,7 @@ def _backward_site_loop(
             D=d, H=heads, DH=d // heads, DHP=dhp, DT=dt_dot, BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), HAS_DLSE=grad_lse is not None,
             DOT_F32=interpret, STORE_SA=not both_on_dots, STORE_T=both_on_dots,
-            **_dot_launch("bwd_stats_dot", bm_dot),
+            **_dot_launch("bwd_stats_dot", bm_dot, bn_dot),
         )
 
         def dot_args(dw: Tensor, progs: int) -> tuple:
@@ -2062,7 +2073,7 @@ def _backward_site_loop(
         src_flags = dict(
             D=d, H=heads, BH=triton.next_power_of_2(heads), DH=d // heads, DHP=dhp, DT=dt_dot, BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), DOT_F32=interpret, ACC=n_acc > 0,
-            **_dot_launch("bwd_sources_dot", bm_dot),
+            **_dot_launch("bwd_sources_dot", bm_dot, bn_dot),
         )
 
         target_offs, addend_offs = _offsets(targets, targets[0]), _offsets(addends, addends[0])

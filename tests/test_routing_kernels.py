@@ -645,6 +645,11 @@ def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     # the forward: phase-one passes of two sites or more, without a prior, stream, norm or stored scores
     fwd = dict(n_sites=8, n_src=41, d=1024, heads=8, stream=None, prior_out=None, store_scores=False, norm_weight=None, dtype=torch.bfloat16)
     assert tr._fwd_on_dots(**fwd)
+    # tiles of up to 128 sources for passes of several sites; a single site keeps the vector kernels past 64
+    assert tr._stats_on_dots(**{**ok, "n_src": 128}) and tr._fwd_on_dots(**{**fwd, "n_src": 128})
+    assert tr._stats_on_dots(**{**ok, "n_src": 64, "n_sites": 1}) and not tr._stats_on_dots(**{**ok, "n_src": 65, "n_sites": 1})
+    # one-token tiles of more than 64 sources on DOT_WARPS_ONE_TOKEN_WIDE warps
+    assert [tr._dot_launch("fwd_sites_dot", bm, bn)["num_warps"] for bm, bn in ((1, 64), (1, 128), (2, 64))] == [2, 4, tr.DOT_WARPS]
     for change in (
         dict(n_sites=1), dict(n_sites=17), dict(n_src=0), dict(n_src=129), dict(stream=torch.ones(1)), dict(prior_out=torch.ones(1)),
         dict(store_scores=True), dict(norm_weight=torch.ones(1)), dict(d=512), dict(d=2048), dict(dtype=torch.float32),
