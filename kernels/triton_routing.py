@@ -220,6 +220,11 @@ DOT_MAX_SITES = 16
 # sources took 10.2 ms backward there against 8.7 on the vector kernels.
 DOT_MAX_SOURCES = 128
 DOT_MAX_SOURCES_ONE_SITE = 64
+# Pass two on tensor cores (``_route_bwd_sources_dot``) takes at most this many sources per launch:
+# each source's gradient needs only its own scores and pass one's D and t. At 1b, in training (its
+# sink's sums added), pass two of 8 sites over 65 sources in one tile of 128 took 24.6 ms against 7.9
+# for 57 sources in a tile of 64 (BENCHMARKS.md, fifteenth set).
+DOT_SOURCES_CHUNK = 64
 DOT_MIN_HEAD_WIDTH = 128
 # 1b's 160, padded to 256 (the eleventh set; two column tiles since the fourteenth, ``DOT_SPLIT_WIDTH``):
 # pass one measured faster in training (full MHAR 0.643 against 0.610 x
@@ -2070,22 +2075,28 @@ def _backward_site_loop(
         dgate = _new((per_group, d) if gate is not None else (0,), torch.float32, device)
         _kernel("bwd_stats", interpret)[(per_group * n_groups,)](*stats_args(dw, dgate if gate is not None else w, per_group), **flags)
     if both_on_dots:
-        src_flags = dict(
-            D=d, H=heads, BH=triton.next_power_of_2(heads), DH=d // heads, DHP=dhp, DT=dt_dot, BS=bs_dot, BN=bn_dot, BM=bm_dot,
-            ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), DOT_F32=interpret, ACC=n_acc > 0,
-            **_dot_launch("bwd_sources_dot", bm_dot, bn_dot),
-        )
-
         target_offs, addend_offs = _offsets(targets, targets[0]), _offsets(addends, addends[0])
-
-        def src_args(progs: int) -> tuple:
-            return (
-                base, src_offs, n_src, w_hi, w_lo, n_sites, grads[0], g_offs, lse, dsum, rstd, t_part,
-                targets[0], target_offs, addends[0], addend_offs, n_acc, M, tiles_dot, progs,
+        # pass two needs no source but its own (pass one finished D and t), so it takes the sources
+        # DOT_SOURCES_CHUNK at a time, each launch on its own tiles
+        for c0 in range(0, n_src, DOT_SOURCES_CHUNK):
+            c1 = min(n_src, c0 + DOT_SOURCES_CHUNK)
+            acc_c = min(max(n_acc - c0, 0), c1 - c0)
+            bs2, bn2, bm2 = _dot_tile(n_sites, c1 - c0, d // heads)
+            tiles2 = triton.cdiv(M, bm2)
+            src_flags = dict(
+                D=d, H=heads, BH=triton.next_power_of_2(heads), DH=d // heads, DHP=dhp, DT=dt_dot, BS=bs2, BN=bn2, BM=bm2,
+                ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), DOT_F32=interpret, ACC=acc_c > 0,
+                **_dot_launch("bwd_sources_dot", bm2, bn2),
             )
 
-        progs2 = _dot_programs("bwd_sources_dot", device, tiles_dot, heads, src_args, src_flags)
-        _kernel("bwd_sources_dot", interpret)[(progs2, heads)](*src_args(progs2), **src_flags)
+            def src_args(progs: int, c0=c0, c1=c1, acc_c=acc_c, tiles2=tiles2) -> tuple:
+                return (
+                    base, src_offs[c0:], c1 - c0, w_hi, w_lo, n_sites, grads[0], g_offs, lse, dsum, rstd[c0:c1], t_part[c0:c1],
+                    targets[0], target_offs[c0:], addends[0], addend_offs[c0:], acc_c, M, tiles2, progs,
+                )
+
+            progs2 = _dot_programs("bwd_sources_dot", device, tiles2, heads, src_args, src_flags)
+            _kernel("bwd_sources_dot", interpret)[(progs2, heads)](*src_args(progs2), **src_flags)
     else:
         _kernel("bwd_sources", interpret)[(triton.cdiv(M, bm_src) * n_src,)](
             base, src_offs, n_src, w, n_sites, grads[0], g_offs,

@@ -486,15 +486,18 @@ def test_pass_two_on_tensor_cores_matches_float64_reference(monkeypatch, n, site
         assert bf16_flips(a, b) < 0.05, bf16_flips(a, b)
 
 
-@pytest.mark.parametrize("heads", [3, 2], ids=["width32", "width48-two-tiles"])
-def test_pass_two_on_tensor_cores_adds_into_sink_slots_and_only_there(monkeypatch, heads):
+@pytest.mark.parametrize("heads,chunk", [(3, 64), (2, 64), (3, 2)], ids=["width32", "width48-two-tiles", "width32-chunks-of-2"])
+def test_pass_two_on_tensor_cores_adds_into_sink_slots_and_only_there(monkeypatch, heads, chunk):
     """Pass two on tensor cores writing into a gradient sink: two passes over collected sources
     (the later one, over sources 0 and 2, runs its backward first, so the earlier one adds to
     slots 0 and 2 and writes the others), and source 1 also fed to a plain use (its slot's target
-    and addend then differ); with three heads of width 32, and two of width 48 (two column tiles).
-    Every source gradient against float64, and within rounding of the vector pass two's."""
+    and addend then differ); with three heads of width 32, two of width 48 (two column tiles), and
+    pass two launched two sources at a time (``DOT_SOURCES_CHUNK``: chunk edges between the slots
+    it adds to and those it writes). Every source gradient against float64, and within rounding of
+    the vector pass two's."""
     from lit_mhar.kernels.sink import GradientSink
 
+    monkeypatch.setattr(tr, "DOT_SOURCES_CHUNK", chunk)
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
     launched = spy_launches(monkeypatch)
@@ -522,7 +525,7 @@ def test_pass_two_on_tensor_cores_adds_into_sink_slots_and_only_there(monkeypatc
         launched.clear()
         with use_backend("triton"):
             got[both] = run(tr, lambda x: x.detach().clone(), GradientSink())
-        assert ("bwd_sources_dot" in launched) == both, launched
+        assert launched.count("bwd_sources_dot") == (0 if not both else 3 + 1 if chunk == 2 else 2), launched  # 5 and 2 sources
     ref = run(reference, lambda x: x.detach().double(), None)
     for i, (a, b, r) in enumerate(zip(got[True], got[False], ref)):
         assert rel_err(a, r) < TOL[torch.bfloat16], (i, rel_err(a, r))
