@@ -2,7 +2,8 @@
 
 Shapes of the 100m / 350m / 1b presets (tokens per step 64x2048, 32x1024, 32x1024), N = 9 sources
 (8 blocks) and N = 2L + 1 (full routing), H = 1 and 8, bfloat16 sources, float32 query and gain.
-Variants: the fused Triton op (``triton-siteloop`` / ``triton-twopass``: forced to one backward kernel), the eager reference, ``torch.compile`` of the reference, and at
+Variants: the fused Triton op (``triton-siteloop`` / ``triton-twopass``: forced to one backward kernel;
+``triton-untuned``: the general rule's tiles, not ``TUNED_TILES``), the eager reference, ``torch.compile`` of the reference, and at
 H = 1 fla-core's ``fused_attnres`` and liger-kernel's ``liger_attn_res`` (benchmark-only peers,
 imported here and nowhere in the package). Every variant is checked in the same run against a
 float64 reference computed in token chunks (output, every source gradient, query and gain
@@ -46,11 +47,14 @@ BACKWARDS = {  # variant -> (SITE_LOOP_MIN_SITES, SITE_LOOP_MIN_SOURCES): which 
     "triton-siteloop": (1, 1),
     "triton-twopass": (10**9, 10**9),
 }
+TUNED_TILES = dict(triton_routing.TUNED_TILES)
 
 
 def use_backward(variant: str) -> None:
-    """Select the backward kernel for ``variant`` (the package's rule for any other name)."""
+    """Select the backward kernel for ``variant`` (the package's rule for any other name), and for
+    ``triton-untuned`` the general rule's tiles (``TUNED_TILES`` empty) in both directions."""
     triton_routing.SITE_LOOP_MIN_SITES, triton_routing.SITE_LOOP_MIN_SOURCES = BACKWARDS.get(variant, BACKWARDS["triton"])
+    triton_routing.TUNED_TILES = {} if variant == "triton-untuned" else TUNED_TILES
 TOL = 1e-2  # bf16 sources and outputs: relative L2 error against float64
 FIELDS = ["scale", "N", "H", "variant", "status", "fwd_ms", "bwd_ms", "both_ms", "fwd_GBps", "bwd_GBps", "fwd_frac_copy", "bwd_frac_copy",
           "err_out", "err_dsrc", "err_dq", "err_dg", "copy_GBps", "note"]
@@ -281,6 +285,7 @@ def main(argv=None):
         for n, heads in shapes:
             variants = {"triton": lambda s, q, g, h=heads: triton_routing.depth_route(s, q, g, h)}
             variants["triton-siteloop"] = variants["triton-twopass"] = variants["triton"]  # same forward, one backward each
+            variants["triton-untuned"] = variants["triton"]  # the general rule's tiles (use_backward)
             if heads == 1:
                 for k in ("liger", "fla"):
                     if k in peer_fns:

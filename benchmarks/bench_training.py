@@ -99,7 +99,10 @@ KNOBS = {
     "save-stream": {("lit_mhar.routing", "REPLAY_STREAM"): False},  # Delta: each fused norm saves its float32 stream (full routing before the twelfth set, block before the thirteenth)
     "untuned": {(TR, "TUNED_TILES"): {}},  # tiles and warps by the general rule at every width (at 1b: the tiles before the fourteenth set)
     "bwd-add-rule": {(TR, "TUNED_TILES", ("bwd_add", 1280)): (2048, 4)},  # the additive merges' backward at 1b on the general rule's tile (one token, 4 warps): the default since the fourteenth set
-    "dots-64": {(TR, "DOT_MAX_SOURCES"): 64},  # tensor-core tiles of at most 64 sources (before the fifteenth set: 1b full routing's last group on the vector kernels)
+    "dots-64": {(TR, "DOT_MAX_SOURCES"): 64},
+    "one-chunk": {(TR, "DOT_SOURCES_CHUNK"): 128},  # pass two on tensor cores over up to 128 sources in one launch (tiles of 128 sources)
+    "h1-rule": {(TR, "TUNED_TILES", ("fwd", 512, 1)): (2048, 2), (TR, "TUNED_TILES", ("bwd_stats", 512, 1)): (2048, 2),
+                (TR, "TUNED_TILES", ("bwd_stats", 1024, 1)): (2048, 2), (TR, "TUNED_TILES", ("bwd_sources", 1024, 1)): (1024, 2)},  # H = 1 at 100m / 350m on the (kind, width) tiles (before the fifteenth set)  # tensor-core tiles of at most 64 sources (before the fifteenth set: 1b full routing's last group on the vector kernels)
     "pad-dots": {(TR, "DOT_SPLIT_WIDTH"): False},  # tensor-core kernels pad 1b's head width 160 to 256, pass two on the vector kernel (before the fourteenth set)
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "mfu_measured",

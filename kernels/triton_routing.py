@@ -124,7 +124,12 @@ WARPS: dict[str, int] = {}
 # three calls against 0.816-0.817 on the rule's tile (``untuned``, ``bwd-add-rule``), so it keeps the
 # rule's (Delta full: 0.642-0.674 with it, 0.668 without, within its spread). A key with a third field
 # holds for that head count only (measured at it: H = 1; pass two with H = 8 was best on the rule's
-# tile, 6.832 ms against 7.073 on one warp).
+# tile, 6.832 ms against 7.073 on one warp). At H = 1 and d = 512 / 1024 (``tune_tiles.py --scale
+# 100m|350m --shapes op``, BENCHMARKS.md, fifteenth set; ms for one site over 9 / 2L + 1 sources, the
+# backward timed whole): at 100m the forward on one warp 0.384 / 0.954 against 0.450 / 1.115, pass
+# one on tokens of one warp 1.253 / 3.288 against 1.411 / 3.731; at 350m pass one so 0.620 / 3.007
+# against 0.853 / 3.364, pass two on 2 tokens of 2 warps 0.641 / 3.129 against 0.709 / 3.366. Phase
+# one's passes at H = 1 (AttnRes) take them too, not measured there.
 # Not used where ``WARPS`` names the kind (tuning runs).
 TUNED_TILES: dict[tuple, tuple[int, int]] = {
     ("fwd", 512): (2048, 2), ("fwd", 1024): (2048, 2), ("merge_fwd", 512): (2048, 2), ("merge_fwd", 1024): (2048, 2),
@@ -133,6 +138,8 @@ TUNED_TILES: dict[tuple, tuple[int, int]] = {
     ("bwd_sources", 512): (2048, 2), ("bwd_sources", 1024): (1024, 2),
     ("fwd", 1280, 1): (2560, 1), ("merge_fwd", 1280): (1280, 1), ("bwd", 1280): (1280, 2),
     ("bwd_stats", 1280, 1): (1280, 1), ("bwd_sources", 1280, 1): (1280, 1),
+    ("fwd", 512, 1): (2048, 1), ("bwd_stats", 512, 1): (1024, 1),
+    ("bwd_stats", 1024, 1): (1024, 1), ("bwd_sources", 1024, 1): (2048, 2),
 }
 MAX_TILE_ELEMENTS = 8192
 # Backward passes over at least this many sites, or of one site over at least this many sources

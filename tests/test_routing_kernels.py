@@ -302,6 +302,8 @@ def test_tuned_tiles_hold_at_their_width_and_head_count_only():
     assert tokens("bwd_sources", 1280, 8) == (1, 4) and tokens("fwd", 1280, 8) == (2, 4)  # the rule: 2048 / 4096 elements, 4 warps at least
     assert tokens("bwd", 1280, 1) == tokens("bwd", 1280, 8) == (1, 2) and tokens("bwd_add", 1280, 8) == (1, 4)
     assert tokens("bwd_sources", 1024, 8) == (1, 2) and tokens("bwd_sources", 768, 8) == (2, 4)
+    assert tokens("bwd_stats", 1024, 1) == (1, 1) and tokens("bwd_stats", 1024, 8) == (2, 2)  # (kind, 1024, 1) over (kind, 1024)
+    assert tokens("fwd", 512, 1) == (4, 1) and tokens("fwd", 512, 8) == (4, 2)
     assert tr._tile("bwd_sources", 1, 1280, 1, True)[1:3] == tr._tile("bwd_sources", 1, 1280, 8, True)[1:3] == (32, 4)
 
 
