@@ -458,10 +458,23 @@ def bf16_flips(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def spy_launches(monkeypatch) -> list[str]:
-    """The names of the kernels launched from now on (through ``tr._kernel``)."""
+    """The names of the kernels launched from now on (through ``tr._kernel``), once per launch on a
+    grid (not for a compile that reads a kernel's registers, ``.warmup``)."""
     launched = []
     kernel = tr._kernel
-    monkeypatch.setattr(tr, "_kernel", lambda name, interpret: launched.append(name) or kernel(name, interpret))
+
+    class Launch:
+        def __init__(self, name, interpret):
+            self.name, self.kernel = name, kernel(name, interpret)
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+        def __getattr__(self, attr):
+            return getattr(self.kernel, attr)
+
+    monkeypatch.setattr(tr, "_kernel", Launch)
     return launched
 
 
