@@ -52,6 +52,9 @@ VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L su
     "mhar-full-H8-g16": dict(residual="attnres", heads=8, block_size=1, full_routing_group=16),
     "delta-full-H8-persite": dict(residual="delta", heads=8, block_size=1, full_routing_group=1),
     "hyper-dhc-n4": dict(residual="hyper", hc_rate=4, hc_dynamic=True),  # its connections run eagerly, like routing
+    # AttnRes (H = 1)
+    "attnres-block8": dict(residual="attnres", heads=1, block_size="8blocks"),
+    "attnres-full": dict(residual="attnres", heads=1, block_size=1),
 }
 # Kernel settings against the defaults, same model, side by side: "<variant>:<knob>" (several
 # knobs joined by ":"). Each knob is {(module, attribute[, key]): value}, set while the variant runs.
