@@ -75,7 +75,7 @@ KNOBS = {
     "occ-stats": {(TR, "OCCUPANCY_GRIDS"): frozenset({"bwd", "bwd_stats", "fwd_sites_dot", "bwd_stats_dot", "bwd_sources_dot"})},  # the vector pass one sized too
     "vector-stats": {(TR, "DOT_STATS"): False},  # pass one of the site loop on the vector kernel, not tensor cores
     "dot-w4": {(TR, "DOT_WARPS"): 4},  # pass one on tensor cores: 4 warps per program (default 2)
-    "dot-w2-one-token": {(TR, "DOT_WARPS_ONE_TOKEN"): {"fwd_sites_dot": 2, "bwd_stats_dot": 2, "bwd_sources_dot": 2}},  # 2 warps where a tile holds one token
+    "dot-w2-one-token": {(TR, "DOT_WARPS_ONE_TOKEN"): {"fwd_sites_dot": 2, "bwd_stats_dot": 2, "bwd_sources_dot": 2}},  # 2 warps where a tile holds one token (of at most 64 sources: wider ones take DOT_WARPS_ONE_TOKEN_WIDE)
     "fwd-w4-one-token": {(TR, "DOT_WARPS_ONE_TOKEN"): {"fwd_sites_dot": 4, "bwd_stats_dot": 4, "bwd_sources_dot": 4}},  # the forward's one-token tiles on 4 warps (before the twelfth set)
     "sources-stages3": {(TR, "DOT_STAGES"): {}},  # pass two on tensor cores with Triton's default 3 stages (before the twelfth set)
     "dots-at-64": {(TR, "DOT_MIN_HEAD_WIDTH"): 64},  # the site loop (both passes since the eleventh set) on tensor cores at head width 64 too (100m)
@@ -102,10 +102,10 @@ KNOBS = {
     "save-stream": {("lit_mhar.routing", "REPLAY_STREAM"): False},  # Delta: each fused norm saves its float32 stream (full routing before the twelfth set, block before the thirteenth)
     "untuned": {(TR, "TUNED_TILES"): {}},  # tiles and warps by the general rule at every width (at 1b: the tiles before the fourteenth set)
     "bwd-add-rule": {(TR, "TUNED_TILES", ("bwd_add", 1280)): (2048, 4)},  # the additive merges' backward at 1b on the general rule's tile (one token, 4 warps): the default since the fourteenth set
-    "dots-64": {(TR, "DOT_MAX_SOURCES"): 64},
+    "dots-64": {(TR, "DOT_MAX_SOURCES"): 64},  # tensor-core tiles of at most 64 sources (before the fifteenth set: 1b full routing's last group on the vector kernels)
     "one-chunk": {(TR, "DOT_SOURCES_CHUNK"): 128},  # pass two on tensor cores over up to 128 sources in one launch (tiles of 128 sources)
     "h1-rule": {(TR, "TUNED_TILES", ("fwd", 512, 1)): (2048, 2), (TR, "TUNED_TILES", ("bwd_stats", 512, 1)): (2048, 2),
-                (TR, "TUNED_TILES", ("bwd_stats", 1024, 1)): (2048, 2), (TR, "TUNED_TILES", ("bwd_sources", 1024, 1)): (1024, 2)},  # H = 1 at 100m / 350m on the (kind, width) tiles (before the fifteenth set)  # tensor-core tiles of at most 64 sources (before the fifteenth set: 1b full routing's last group on the vector kernels)
+                (TR, "TUNED_TILES", ("bwd_stats", 1024, 1)): (2048, 2), (TR, "TUNED_TILES", ("bwd_sources", 1024, 1)): (1024, 2)},  # H = 1 at 100m / 350m on the (kind, width) tiles (before the fifteenth set)
     "pad-dots": {(TR, "DOT_SPLIT_WIDTH"): False},  # tensor-core kernels pad 1b's head width 160 to 256, pass two on the vector kernel (before the fourteenth set)
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "mfu_measured",

@@ -271,27 +271,30 @@ def main(argv=None):
         # "wide": phase-one passes over more sources than one tensor-core tile held before
         # (DOT_MAX_SOURCES = 64): full routing's last group (2L - 7 sources, 8 sites) and its final
         # site (2L + 1 sources), H = 8, on the vector kernels against the tensor-core kernels with
-        # tiles of up to 128 sources, by warps of the three tensor-core kernels; forward and the
-        # whole backward timed apart, each checked against the vector kernels' result
+        # tiles of up to 128 sources for every pass (one site too, pass two in one launch), by warps
+        # of the three tensor-core kernels, and the package's defaults; forward and the whole
+        # backward timed apart, each checked against the vector kernels' result
         if "wide" in families:
-            wide_settings = [("vector", dict(DOT_FWD=False, DOT_STATS=False, DOT_SOURCES=False, DOT_MAX_SOURCES=64, WARPS={}))] + [
-                (f"dots128-w{w or 'default'}", dict(DOT_FWD=True, DOT_STATS=True, DOT_SOURCES=True, DOT_MAX_SOURCES=128,
+            keys = ("DOT_FWD", "DOT_STATS", "DOT_SOURCES", "DOT_MAX_SOURCES", "DOT_MAX_SOURCES_ONE_SITE", "DOT_SOURCES_CHUNK", "WARPS")
+            saved = {k: getattr(tr, k) for k in keys}
+            wide_settings = [("vector", dict(DOT_FWD=False, DOT_STATS=False, DOT_SOURCES=False, WARPS={}))] + [
+                (f"dots128-w{w or 'default'}", dict(DOT_FWD=True, DOT_STATS=True, DOT_SOURCES=True, DOT_MAX_SOURCES=128, DOT_MAX_SOURCES_ONE_SITE=128,
+                                                    DOT_SOURCES_CHUNK=128,
                                                     WARPS={k: w for k in ("fwd_sites_dot", "bwd_stats_dot", "bwd_sources_dot")} if w else {}))
                 for w in (0, 2, 4, 8)
-            ]
+            ] + [("package-defaults", saved)]
             for n, sites in ((2 * layers - 7, 8), (2 * layers + 1, 1)):
                 data = make(M, d, n, sites, 8, seed=n)
-                saved = {k: getattr(tr, k) for k in ("DOT_FWD", "DOT_STATS", "DOT_SOURCES", "DOT_MAX_SOURCES", "WARPS")}
-                for k, v in wide_settings[0][1].items():
+                for k, v in {**saved, **wide_settings[0][1]}.items():
                     setattr(tr, k, v)
                 fwd, bwd = runner(*data, 8)
                 ref_out, ref_grads = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in bwd()]
                 bench = lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median")  # noqa: E731
                 for label, settings in wide_settings:
-                    for k, v in settings.items():
+                    for k, v in {**saved, **settings}.items():
                         setattr(tr, k, v)
                     for kind in ("fwd", "backward"):
-                        row = dict(shape=f"wide-N{n}-S{sites}-H8", kind=kind, elements=label, warps=settings["WARPS"].get("bwd_stats_dot", "default"))
+                        row = dict(shape=f"wide-N{n}-S{sites}-H8", kind=kind, elements=label, warps=tr.WARPS.get("bwd_stats_dot", "default"))
                         if kind == "fwd":
                             emit(check_and_time(row, lambda: lambda: fwd()[0], ref_out, bench))
                         else:

@@ -129,7 +129,8 @@ WARPS: dict[str, int] = {}
 # backward timed whole): at 100m the forward on one warp 0.384 / 0.954 against 0.450 / 1.115, pass
 # one on tokens of one warp 1.253 / 3.288 against 1.411 / 3.731; at 350m pass one so 0.620 / 3.007
 # against 0.853 / 3.364, pass two on 2 tokens of 2 warps 0.641 / 3.129 against 0.709 / 3.366. Phase
-# one's passes at H = 1 (AttnRes) take them too, not measured there.
+# one's passes at H = 1 (AttnRes) take them too: in training at 350m AttnRes in 8 blocks ran at 0.930
+# x prenorm against 0.932 without them, full AttnRes 0.711 against 0.704; not measured at 100m.
 # Not used where ``WARPS`` names the kind (tuning runs).
 TUNED_TILES: dict[tuple, tuple[int, int]] = {
     ("fwd", 512): (2048, 2), ("fwd", 1024): (2048, 2), ("merge_fwd", 512): (2048, 2), ("merge_fwd", 1024): (2048, 2),
@@ -209,6 +210,7 @@ DOT_WARPS_ONE_TOKEN = {"fwd_sites_dot": 2, "bwd_stats_dot": 4, "bwd_sources_dot"
 # ``tune_tiles.py --shapes wide``, BENCHMARKS.md, fifteenth set): the forward took 7.71 ms on 4 warps
 # against 13.93 on 2 and 10.29 on 8 (12.90 on the vector kernel), the backward 15.51 / 330.09 / 18.88.
 DOT_WARPS_ONE_TOKEN_WIDE = 4
+DOT_WIDE_SOURCES = 64  # a tile of more sources than this is "wide"
 DOT_PROGRAMS_PER_SM = 16
 # Software-pipelining stages (Triton's ``num_stages``) by tensor-core kernel where set; else
 # Triton's default (3). Measured on an H200 (``tune_tiles.py --shapes dot-tune``, 350m, H = 8, bf16,
@@ -228,9 +230,11 @@ DOT_MAX_SITES = 16
 DOT_MAX_SOURCES = 128
 DOT_MAX_SOURCES_ONE_SITE = 64
 # Pass two on tensor cores (``_route_bwd_sources_dot``) takes at most this many sources per launch:
-# each source's gradient needs only its own scores and pass one's D and t. At 1b, in training (its
-# sink's sums added), pass two of 8 sites over 65 sources in one tile of 128 took 24.6 ms against 7.9
-# for 57 sources in a tile of 64 (BENCHMARKS.md, fifteenth set).
+# each source's gradient needs only its own scores and pass one's D and t. At 1b, in training, pass
+# two of 8 sites over 65 sources in one tile of 128 took 24.6 ms against 7.9 for 57 sources in a tile
+# of 64 (probably the gradient sink's sums it adds there, which the tuning shape lacks: 15.5 ms for
+# the whole backward; not measured apart); with chunks of 64 full MHAR trained at 0.769 / 0.782 x
+# prenorm against 0.753 in one launch (BENCHMARKS.md, fifteenth set).
 DOT_SOURCES_CHUNK = 64
 DOT_MIN_HEAD_WIDTH = 128
 # 1b's 160, padded to 256 (the eleventh set; two column tiles since the fourteenth, ``DOT_SPLIT_WIDTH``):
@@ -256,7 +260,8 @@ DOT_SPLIT_WIDTH = True
 DOT_SPLIT_SOURCES_MIN_SITES = 2
 # Rows of either operand of a tile at most: the products [BM*BS, BM*BN] grow as the square of the
 # tokens per tile, and at head width 16 pass two's tile of 256 rows asked an H200 for 299 KB of shared
-# memory (232 KB there). From head width 64 up, DOT_TILE_ELEMENTS alone keeps tiles within it.
+# memory (232 KB there). From head width 64 up, DOT_TILE_ELEMENTS alone keeps tiles within it. A
+# single token's sources are more rows where there are more than 64 of them (``DOT_MAX_SOURCES``).
 DOT_MAX_ROWS = 64
 # Pass two of the site loop on tensor cores too (``_route_bwd_sources_dot``) where pass one is.
 # Measured on an H200 (BENCHMARKS.md, eleventh set; bf16, 350m, H = 8): the backward of 8 sites over
@@ -1160,9 +1165,11 @@ def _route_bwd_sources_dot(
     # Site-loop backward, pass two, on tensor cores (bf16, after ``_route_bwd_stats_dot`` with
     # STORE_T): the source gradients of ``_route_bwd_sources``,
     #   dv = alpha^T dR + (ds * rstd)^T W - v rstd^2 t / d,      rows (token, source) [BM*BN, DHP]
-    # on the tiles of ``_route_bwd_stats_dot`` (program (p, h): head h of every progs-th tile of
-    # BM tokens), recomputing the scores and a = <dr, v> as there (no [S, N, M, H, 2] round trip)
-    # and summing t over the heads from the partials pass one stored. The coefficients and W enter
+    # on tiles laid out as ``_route_bwd_stats_dot``'s (program (p, h): head h of every progs-th tile
+    # of BM tokens), recomputing the scores and a = <dr, v> as there (no [S, N, M, H, 2] round trip)
+    # and summing t over the heads from the partials pass one stored. The host launches it once per
+    # chunk of at most DOT_SOURCES_CHUNK sources, each with its own tile: n_src, n_acc, the offset
+    # tables, rstd and t then count from the chunk's first source. The coefficients and W enter
     # as bf16x2 splits (hi * hi + hi * lo + lo * hi); dR and V are bf16 already. With ACC, source
     # i < n_acc adds acc_base + acc_offs[i] (a gradient sink's sum so far). DT > 0: a head's last DT
     # columns are a second tile (``_route_fwd_sites_dot``).
@@ -1943,9 +1950,9 @@ def _dot_programs(name: str, device: torch.device, tiles: int, heads: int, args,
 def _dot_launch(name: str, bm: int, bn: int) -> dict:
     """Launch options of tensor-core kernel ``name`` on tiles of ``bm`` tokens and ``bn`` sources: its
     warps (``WARPS`` where set, else ``DOT_WARPS``, or for tiles of one token the kernel's
-    ``DOT_WARPS_ONE_TOKEN``, ``DOT_WARPS_ONE_TOKEN_WIDE`` over 64 sources) and its pipelining stages
+    ``DOT_WARPS_ONE_TOKEN``, ``DOT_WARPS_ONE_TOKEN_WIDE`` over ``DOT_WIDE_SOURCES``) and its pipelining stages
     where ``DOT_STAGES`` sets them."""
-    one_token = DOT_WARPS_ONE_TOKEN_WIDE if bn > 64 else DOT_WARPS_ONE_TOKEN[name]
+    one_token = DOT_WARPS_ONE_TOKEN_WIDE if bn > DOT_WIDE_SOURCES else DOT_WARPS_ONE_TOKEN[name]
     opts = dict(num_warps=WARPS.get(name, DOT_WARPS if bm > 1 else one_token))
     if name in DOT_STAGES:
         opts["num_stages"] = DOT_STAGES[name]
@@ -1972,8 +1979,10 @@ def _dot_lanes(head_width: int) -> tuple[int, int]:
 def _dot_tile(n_sites: int, n_src: int, head_width: int) -> tuple[int, int, int]:
     """(BS, BN, BM) of the tensor-core kernels' tiles: sites and sources padded to powers of two, tokens
     per tile so that a tile holds about ``DOT_TILE_ELEMENTS`` elements of (token, source) or
-    (token, site) rows of the padded head width, at most ``DOT_MAX_ROWS`` rows, and sites or sources
-    padded further where a token's rows alone are fewer than 16 (the smallest ``tl.dot`` operand)."""
+    (token, site) rows of the padded head width, at most ``DOT_MAX_ROWS`` rows unless one token's
+    sources or sites alone are more (up to ``DOT_MAX_SOURCES``: a tile of one token), and sites or
+    sources padded further where a token's rows alone are fewer than 16 (the smallest ``tl.dot``
+    operand)."""
     bs, bn = triton.next_power_of_2(n_sites), triton.next_power_of_2(n_src)
     rows = min(DOT_TILE_ELEMENTS // _dot_width(head_width), DOT_MAX_ROWS)
     bm = max(1, rows // max(bs, bn))
@@ -2003,7 +2012,9 @@ def _backward_site_loop(
     tiles of ``_dot_tile`` tokens), and where ``_sources_on_dots`` holds too (an unpadded head width)
     pass two is ``_route_bwd_sources_dot``, which
     recomputes the scores and takes the key norm's term as per-head shares pass one wrote
-    (``[N, tokens, H]`` float32) instead of the ``[S, N, tokens, H, 2]`` scores.
+    (``[N, tokens, H]`` float32) instead of the ``[S, N, tokens, H, 2]`` scores; it runs on
+    ``DOT_SOURCES_CHUNK`` sources per launch (each source's gradient needs only its own scores
+    once pass one has D and t).
     """
     like = sources[0]
     shape, d = like.shape, like.shape[-1]

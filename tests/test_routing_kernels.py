@@ -304,6 +304,7 @@ def test_tuned_tiles_hold_at_their_width_and_head_count_only():
     assert tokens("bwd_sources", 1024, 8) == (1, 2) and tokens("bwd_sources", 768, 8) == (2, 4)
     assert tokens("bwd_stats", 1024, 1) == (1, 1) and tokens("bwd_stats", 1024, 8) == (2, 2)  # (kind, 1024, 1) over (kind, 1024)
     assert tokens("fwd", 512, 1) == (4, 1) and tokens("fwd", 512, 8) == (4, 2)
+    assert tokens("bwd_stats", 512, 1) == (2, 1) and tokens("bwd_sources", 1024, 1) == (2, 2) and tokens("bwd_sources", 512, 1) == (4, 2)
     assert tr._tile("bwd_sources", 1, 1280, 1, True)[1:3] == tr._tile("bwd_sources", 1, 1280, 8, True)[1:3] == (32, 4)
 
 
@@ -457,10 +458,22 @@ def bf16_flips(x: torch.Tensor, y: torch.Tensor) -> float:
     return (x != y).double().mean().item()
 
 
-def spy_launches(monkeypatch) -> list[str]:
-    """The names of the kernels launched from now on (through ``tr._kernel``), once per launch on a
-    grid (not for a compile that reads a kernel's registers, ``.warmup``)."""
-    launched = []
+class Launches(list):
+    """Names of the kernels launched, in order; ``warps``: each launch's ``num_warps``."""
+
+    def __init__(self):
+        super().__init__()
+        self.warps: list = []
+
+    def clear(self):
+        super().clear()
+        self.warps.clear()
+
+
+def spy_launches(monkeypatch) -> Launches:
+    """The kernels launched from now on (through ``tr._kernel``), once per launch on a grid (not
+    for a compile that reads a kernel's registers, ``.warmup``)."""
+    launched = Launches()
     kernel = tr._kernel
 
     class Launch:
@@ -468,8 +481,14 @@ def spy_launches(monkeypatch) -> list[str]:
             self.name, self.kernel = name, kernel(name, interpret)
 
         def __getitem__(self, grid):
-            launched.append(self.name)
-            return self.kernel[grid]
+            run = self.kernel[grid]
+
+            def launch(*args, **kwargs):
+                launched.append(self.name)
+                launched.warps.append(kwargs.get("num_warps"))
+                return run(*args, **kwargs)
+
+            return launch
 
         def __getattr__(self, attr):
             return getattr(self.kernel, attr)
@@ -495,6 +514,7 @@ def test_pass_two_on_tensor_cores_matches_float64_reference(monkeypatch, n, site
     monkeypatch.setattr(tr, "DOT_SOURCES_PADDED", True)  # padded widths too (the kernel takes them)
     errs, ran, got = site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, pass_two=True, with_dlse=with_dlse)
     assert ran and "bwd_sources_dot" in launched and "bwd_sources" not in launched, launched
+    assert launched.count("bwd_sources_dot") == -(-n // tr.DOT_SOURCES_CHUNK), launched  # one launch per chunk of sources
     assert max(errs) < TOL[dtype], errs
     _, _, vector = site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, with_dlse=with_dlse)
     for a, b in zip(got[sites + 1:sites + 1 + n], vector[sites + 1:sites + 1 + n]):
@@ -553,9 +573,7 @@ def test_pass_two_on_tensor_cores_adds_into_the_gradient_sink(monkeypatch):
     tensor cores as with the vector kernels."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
-    launched = []
-    kernel = tr._kernel
-    monkeypatch.setattr(tr, "_kernel", lambda name, interpret: launched.append(name) or kernel(name, interpret))
+    launched = spy_launches(monkeypatch)
     model = tiny_model("attnres", 2, 2, n_layer=3).to(torch.bfloat16)
     idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     runs = {}
@@ -605,6 +623,8 @@ def test_phase_one_forward_on_tensor_cores_matches_float64_reference(monkeypatch
         launched.clear()
         runs[on_dots] = tr._forward(srcs, queries, gains, heads, 1e-6, None, None, None, None, False, save_rstd=True)
         assert ("fwd_sites_dot" in launched) == on_dots and ("fwd" in launched) != on_dots, launched
+        if on_dots and n > tr.DOT_WIDE_SOURCES:  # a one-token tile of more than 64 sources: its own warps
+            assert launched.warps == [tr.DOT_WARPS_ONE_TOKEN_WIDE] != [tr.DOT_WARPS_ONE_TOKEN["fwd_sites_dot"]], launched.warps
     got = runs[True]
     ref_outs, ref_lse = reference.route_sites([x.double() for x in srcs], queries.double(), gains.double(), heads)
     for o, r in zip(got[:sites], ref_outs):
@@ -647,7 +667,7 @@ def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token
 
 def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     """The tensor-core kernel takes the replacement form with the key rstd saved, at most 16 sites and
-    128 sources, a head width from 128 to 160 (DOT_MIN_HEAD_WIDTH and DOT_MAX_HEAD_WIDTH; 64 was slower
+    128 sources (64 for a single site), a head width from 128 to 160 (DOT_MIN_HEAD_WIDTH and DOT_MAX_HEAD_WIDTH; 64 was slower
     in training), bf16; anything else keeps the vector kernel. Pass two takes widths held without
     padding only (a power of two, or two column tiles: ``_dot_lanes``). Its tiles hold at least 16 rows of each
     operand, about DOT_TILE_ELEMENTS elements of the padded head width and at most DOT_MAX_ROWS rows."""
@@ -683,7 +703,7 @@ def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(tr, "DOT_SPLIT_WIDTH", False)
     assert tr._dot_lanes(160) == (256, 0) and not tr._sources_on_dots(1280, 8, 8) and not tr._sources_on_dots(384, 8, 8)
     assert not tr._fwd_on_dots(**{**fwd, "n_sites": tr.DOT_FWD_MIN_SITES - 1})
-    for sites, n, width in itertools.product((1, 3, 8, 16), (1, 2, 9, 41, 64), (16, 48, 64, 128, 160)):
+    for sites, n, width in itertools.product((1, 3, 8, 16), (1, 2, 9, 41, 64, 65, 73, 128), (16, 48, 64, 128, 160)):
         bs, bn, bm = tr._dot_tile(sites, n, width)
         assert bs >= sites and bn >= n and bm * bs >= 16 and bm * bn >= 16, (sites, n, bs, bn, bm)
         one_token = max(16, triton.next_power_of_2(sites), triton.next_power_of_2(n))
