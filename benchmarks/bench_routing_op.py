@@ -47,14 +47,14 @@ BACKWARDS = {  # variant -> (SITE_LOOP_MIN_SITES, SITE_LOOP_MIN_SOURCES): which 
     "triton-siteloop": (1, 1),
     "triton-twopass": (10**9, 10**9),
 }
-TUNED_TILES = dict(triton_routing.TUNED_TILES)
+PACKAGE_TUNED_TILES = triton_routing.TUNED_TILES  # the package's own table (restored, never copied)
 
 
 def use_backward(variant: str) -> None:
     """Select the backward kernel for ``variant`` (the package's rule for any other name), and for
     ``triton-untuned`` the general rule's tiles (``TUNED_TILES`` empty) in both directions."""
     triton_routing.SITE_LOOP_MIN_SITES, triton_routing.SITE_LOOP_MIN_SOURCES = BACKWARDS.get(variant, BACKWARDS["triton"])
-    triton_routing.TUNED_TILES = {} if variant == "triton-untuned" else TUNED_TILES
+    triton_routing.TUNED_TILES = {} if variant == "triton-untuned" else PACKAGE_TUNED_TILES
 TOL = 1e-2  # bf16 sources and outputs: relative L2 error against float64
 FIELDS = ["scale", "N", "H", "variant", "status", "fwd_ms", "bwd_ms", "both_ms", "fwd_GBps", "bwd_GBps", "fwd_frac_copy", "bwd_frac_copy",
           "err_out", "err_dsrc", "err_dq", "err_dg", "copy_GBps", "note"]

@@ -89,6 +89,14 @@ def check_and_time(row: dict, build, refs, bench) -> dict:
     return row
 
 
+def check_pass(row: dict, forward: bool, fwd, data, heads: int, ref_out, ref_grads, bench) -> dict:
+    """``check_and_time`` of route_sites on ``data``: its forward alone (``forward``, against
+    ``ref_out``) or its whole backward (against ``ref_grads``)."""
+    if forward:
+        return check_and_time(row, lambda: lambda: fwd()[0], ref_out, bench)
+    return check_and_time(row, lambda: runner(*data, heads)[1], ref_grads, bench)
+
+
 def make(M, d, n, sites, heads, seed=0):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     sources = [(torch.randn(M, d, device=DEVICE, generator=g) * (0.5 + i % 3)).to(torch.bfloat16).requires_grad_() for i in range(n)]
@@ -259,10 +267,7 @@ def main(argv=None):
                     for k, v in {**saved, **settings}.items():
                         setattr(tr, k, v)
                     row = dict(shape=name.replace("dots", "dot-tune"), kind=kind, elements=elements, warps=warps)
-                    if kind == "fwd_sites_dot":
-                        emit(check_and_time(row, lambda: lambda: fwd()[0], ref_out, bench))
-                    else:
-                        emit(check_and_time(row, lambda: runner(*data, 8)[1], ref_grads, bench))
+                    emit(check_pass(row, kind == "fwd_sites_dot", fwd, data, 8, ref_out, ref_grads, bench))
                 for k, v in saved.items():
                     setattr(tr, k, v)
                 del data, fwd, bwd, ref_out, ref_grads
@@ -295,10 +300,7 @@ def main(argv=None):
                         setattr(tr, k, v)
                     for kind in ("fwd", "backward"):
                         row = dict(shape=f"wide-N{n}-S{sites}-H8", kind=kind, elements=label, warps=tr.WARPS.get("bwd_stats_dot", "default"))
-                        if kind == "fwd":
-                            emit(check_and_time(row, lambda: lambda: fwd()[0], ref_out, bench))
-                        else:
-                            emit(check_and_time(row, lambda: runner(*data, 8)[1], ref_grads, bench))
+                        emit(check_pass(row, kind == "fwd", fwd, data, 8, ref_out, ref_grads, bench))
                 for k, v in saved.items():
                     setattr(tr, k, v)
                 del data, fwd, bwd, ref_out, ref_grads
