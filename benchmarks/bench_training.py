@@ -106,6 +106,9 @@ KNOBS = {
     "one-chunk": {(TR, "DOT_SOURCES_CHUNK"): 128},  # pass two on tensor cores over up to 128 sources in one launch (tiles of 128 sources)
     "h1-rule": {(TR, "TUNED_TILES", ("fwd", 512, 1)): (2048, 2), (TR, "TUNED_TILES", ("bwd_stats", 512, 1)): (2048, 2),
                 (TR, "TUNED_TILES", ("bwd_stats", 1024, 1)): (2048, 2), (TR, "TUNED_TILES", ("bwd_sources", 1024, 1)): (1024, 2)},  # H = 1 at 100m / 350m on the (kind, width) tiles (before the fifteenth set)
+    "two-pass-merges": {(TR, "SAVE_ROUTED"): False},  # fused-norm merges recompute r in a first pass over the sources (before the sixteenth set)
+    "routed-bf16": {(TR, "SAVED_ROUTED_DTYPE"): None},  # ... save r in the sources' dtype (bf16), not float32
+    "routed-all": {(TR, "SAVE_ROUTED_MIN_SOURCES"): 1},  # ... save r at merges of one source too (block routing, a full-routing group's second site)
     "pad-dots": {(TR, "DOT_SPLIT_WIDTH"): False},  # tensor-core kernels pad 1b's head width 160 to 256, pass two on the vector kernel (before the fourteenth set)
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "mfu_measured",

@@ -15,7 +15,8 @@ loop on tensor cores against the vector kernel, by warps and elements per tile,
 (``--shapes passes``) pass one, then both passes, on tensor cores against the vector kernels, and
 (``--shapes dot-tune``) each tensor-core kernel by warps and pipelining stages, then by tile, and
 (``--shapes wide``) passes over more than 64 sources on the vector kernels against tensor-core
-tiles of up to 128 sources.
+tiles of up to 128 sources, and (``--shapes saved-r``) the fused-norm merge of 1 to 7 sources with
+its backward in two passes against one pass on the routed value r saved in float32 or bf16.
 
     python benchmarks/tune_tiles.py --scale 350m --out OUT    # writes OUT/tune_tiles.csv
 """
@@ -149,7 +150,7 @@ def main(argv=None):
     ap.add_argument("--scale", choices=list(SCALES), default="350m")
     ap.add_argument("--out", required=True, help="folder of tune_tiles.csv (rows are appended)")
     ap.add_argument("--shapes", default="phase1,full,one-site", help="comma-separated: which shape families to run "
-                    "(phase1, full, op: one site over 9 and 2L+1 sources at H = 1, merge, dots, passes, dot-tune, wide, one-site)")
+                    "(phase1, full, op: one site over 9 and 2L+1 sources at H = 1, merge, dots, passes, dot-tune, wide, saved-r, one-site)")
     ap.add_argument("--kinds", default="", help="comma-separated launch kinds to vary (fwd, bwd_stats, bwd_sources, merge_fwd, bwd, "
                     "bwd_add: the additive merge's backward); default all")
     args = ap.parse_args(argv)
@@ -304,6 +305,37 @@ def main(argv=None):
                 for k, v in saved.items():
                     setattr(tr, k, v)
                 del data, fwd, bwd, ref_out, ref_grads
+                torch.cuda.empty_cache()
+
+        # "saved-r": the replacement form's merge fused with the norm (n newer sources, H = 8) with
+        # its backward in two passes over the sources (r recomputed from the prior) against one
+        # pass on the routed value r the forward saves in float32 or bf16 (SAVE_ROUTED,
+        # SAVED_ROUTED_DTYPE); forward alone and forward + backward in one CUDA graph, each
+        # checked against the two-pass result
+        if "saved-r" in families:
+            saved = {k: getattr(tr, k) for k in ("SAVE_ROUTED", "SAVED_ROUTED_DTYPE", "SAVE_ROUTED_MIN_SOURCES")}
+            settings = [("two-pass", dict(SAVE_ROUTED=False)),
+                        ("r-float32", dict(SAVE_ROUTED=True, SAVED_ROUTED_DTYPE=torch.float32, SAVE_ROUTED_MIN_SOURCES=1)),
+                        ("r-bf16", dict(SAVE_ROUTED=True, SAVED_ROUTED_DTYPE=None, SAVE_ROUTED_MIN_SOURCES=1))]
+            bench = lambda fn: do_bench_cudagraph(fn, rep=50, return_mode="median")  # noqa: E731
+            for n in (1, 2, 4, 7):
+                data = make_merge(M, d, n, 8, False, seed=n)
+                refs = None
+                for label, values in settings:
+                    for k, v in {**saved, **values}.items():
+                        setattr(tr, k, v)
+                    fwd, both = merge_runner(*data, 8)
+                    if refs is None:
+                        refs = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in both()]
+                    for kind in ("merge_fwd", "fwd+bwd"):
+                        row = dict(shape=f"saved-r-N{n}-H8", kind=kind, elements=label, warps="default")
+                        if kind == "merge_fwd":
+                            emit(check_and_time(row, lambda: lambda: fwd()[0], refs[0], bench))
+                        else:
+                            emit(check_and_time(row, lambda: both, refs[1], bench))
+                for k, v in saved.items():
+                    setattr(tr, k, v)
+                del data, refs
                 torch.cuda.empty_cache()
 
         # one site over N sources: two-pass against site-loop backward

@@ -173,6 +173,19 @@ EAGER_FUNCTION = True
 # source, 7 -> 4 barriers per iteration at 350m shapes, by ptxas; in training at 350m on an H200
 # block MHAR 0.916 against 0.910 recomputing, full MHAR 0.677 against 0.660). A benchmark knob.
 SAVE_RSTD = True
+# A merge fused with the next RMSNorm (replacement form, at least SAVE_ROUTED_MIN_SOURCES sources:
+# full routing's sites past a group's second; eager calls) writes its routed value r, the norm's
+# input, in SAVED_ROUTED_DTYPE as well as the norm's output, and saves r instead of the prior: its
+# backward then has the norm's input and D = <dr, r>_h without a first pass over the sources, so
+# it reads them once instead of twice. The prior's lse gradient is D - sum_i alpha_i <dr, v_i>_h
+# - p_alpha D (r = p_alpha o + sum_i alpha_i v_i). r in bf16 loses the cancellation in that
+# difference (relative error 2.3e-2 against float64 at 7 sources, H = 8, where two passes give
+# 1.8e-3), so r is float32: 2 more bytes per element than the prior it replaces. Measured in
+# BENCHMARKS.md (sixteenth set). Benchmark knobs (SAVE_ROUTED False: the backward recomputes r
+# from the prior and the sources in a first pass; SAVED_ROUTED_DTYPE None: r in the sources' dtype).
+SAVE_ROUTED = True
+SAVE_ROUTED_MIN_SOURCES = 2
+SAVED_ROUTED_DTYPE: Optional[torch.dtype] = torch.float32
 # Head widths d/H that are a sum of two powers of two (96 = 64 + 32; 160 = 128 + 32 at 1b with
 # H = 8) are held by the training kernels as two tiles per head instead of one padded to the next
 # power of two (128, 256), where a quarter and three eighths of the lanes did no work. At 1b on an
@@ -306,11 +319,12 @@ def _route_fwd(
     stream_ptr, gate_ptr,
     prior_ptr, prior_lse_ptr,
     scores_ptr, rstd_ptr,
-    nw_ptr,
+    nw_ptr, routed_ptr,
     M, eps, norm_eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr, PF: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, STORE_SCORES: tl.constexpr, STORE_RSTD: tl.constexpr, NORM: tl.constexpr,
+    STORE_ROUTED: tl.constexpr,
 ):
     # Every tensor is 4-D (site, token, head, lane) and every sum keeps its axis, so that all of
     # them share one register layout: no tile is ever shuffled through shared memory.
@@ -409,6 +423,10 @@ def _route_fwd(
                 tl.load(stream_ptr + x_off_t, mask=xmask_t, other=0.0).to(tl.float32)
                 + tl.load(gate_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32) * routed_t
             )
+    if STORE_ROUTED:  # the norm's input r as well (replacement form, BS == 1): the backward's one pass (SAVE_ROUTED)
+        tl.store(routed_ptr + x_off, routed.to(routed_ptr.dtype.element_ty), mask=xmask)
+        if DT > 0:
+            tl.store(routed_ptr + x_off_t, routed_t.to(routed_ptr.dtype.element_ty), mask=xmask_t)
     if NORM:  # the next sublayer's RMSNorm over the whole width (BS == 1): y = out * rstd(out) * weight
         sq_n = tl.reduce(tl.reduce(routed * routed, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
         if DT > 0:
@@ -437,7 +455,7 @@ def _route_bwd(
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr, PF: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_DLSE: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
-    STREAM_ACC: tl.constexpr, REPLAY: tl.constexpr, REBUILD: tl.constexpr,
+    STREAM_ACC: tl.constexpr, REPLAY: tl.constexpr, REBUILD: tl.constexpr, SAVED_R: tl.constexpr,
 ):
     # Source i's gradient goes to dsrc_base + dsrc_offs[i]; with ACC, sources i < n_acc add to it
     # acc_base + acc_offs[i] (a gradient sink's sum so far, see _route_bwd_sources). With
@@ -449,6 +467,10 @@ def _route_bwd(
     # the one source is their running sum, rebuilt in both passes and rounded to the sources' dtype
     # after each addition as torch's additions round (bf16: to nearest even, on the bits, since
     # the interpreter's cast truncates), and the stream adds the outputs, not the running sum.
+    # With SAVED_R (fused norm, replacement form, BS == 1) prior_ptr holds the routed value r the
+    # forward stored (STORE_ROUTED), not the prior: the norm's backward and D = <dr, r>_h need no
+    # pass over the sources, so one pass writes the source gradients, and the prior's lse gradient
+    # p_alpha (<dr, o>_h - D) is formed as D - sum_i alpha_i <dr, v_i>_h - p_alpha D after it.
     # Every lane tensor has a twin ``*_t`` over each head's last DT channels when DT > 0 (see
     # _route_fwd); sums over a head add the two.
     pid = tl.program_id(0)
@@ -516,7 +538,12 @@ def _route_bwd(
             hs = tl.load(stream_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
             if DT > 0:
                 hs_t = tl.load(stream_ptr + x_off_t, mask=hmask, other=0.0).to(tl.float32)
-        if HAS_PRIOR:
+        if SAVED_R:  # r itself: no pass over the sources before the norm's backward
+            p_alpha = tl.exp(tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0) - lse)
+            racc += tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
+            if DT > 0:
+                racc_t += tl.load(prior_ptr + x_off_t, mask=hmask, other=0.0).to(tl.float32)
+        elif HAS_PRIOR:
             po = tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
             p_alpha = tl.exp(tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0) - lse)
             if DT > 0:
@@ -530,74 +557,75 @@ def _route_bwd(
                 racc += tl.reduce(p_alpha * po, 0, _ADD, keep_dims=True)
                 if DT > 0:
                     racc_t += tl.reduce(p_alpha * po_t, 0, _ADD, keep_dims=True)
-        off = tl.multiple_of(tl.load(src_offs), ALIGN)
-        v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
-        if DT > 0:
-            v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 0, M, 0)) & (h_i < H), other=0.0)
-        if REBUILD:  # source 0: the running sum of the table's n_rep outputs; the stream adds each
-            hs = hs + v_next.to(tl.float32)
+        if not SAVED_R:  # pass one proper
+            off = tl.multiple_of(tl.load(src_offs), ALIGN)
+            v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
             if DT > 0:
-                hs_t = hs_t + v_next_t.to(tl.float32)
-            for k in range(1, n_rep):
-                o_off = tl.multiple_of(tl.load(src_offs + k), ALIGN)
-                o = tl.load(src_base + o_off + x_off, mask=xmask, other=0.0).to(tl.float32)
-                hs = hs + o
-                run_s = v_next.to(tl.float32) + o
-                if src_base.dtype.element_ty == tl.bfloat16:  # round to nearest even on the bits
-                    bits = run_s.to(tl.uint32, bitcast=True)
-                    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-                    run_s = tl.where(run_s == run_s, bits.to(tl.float32, bitcast=True), run_s)
-                v_next = run_s.to(src_base.dtype.element_ty)
+                v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 0, M, 0)) & (h_i < H), other=0.0)
+            if REBUILD:  # source 0: the running sum of the table's n_rep outputs; the stream adds each
+                hs = hs + v_next.to(tl.float32)
                 if DT > 0:
-                    o_t = tl.load(src_base + o_off + x_off_t, mask=hmask, other=0.0).to(tl.float32)
-                    hs_t = hs_t + o_t
-                    run_t = v_next_t.to(tl.float32) + o_t
-                    if src_base.dtype.element_ty == tl.bfloat16:
-                        bits_t = run_t.to(tl.uint32, bitcast=True)
-                        bits_t = ((bits_t + 0x7FFF + ((bits_t >> 16) & 1)) >> 16) << 16
-                        run_t = tl.where(run_t == run_t, bits_t.to(tl.float32, bitcast=True), run_t)
-                    v_next_t = run_t.to(src_base.dtype.element_ty)
-        if PF == 2:  # a second source in flight
-            off = tl.multiple_of(tl.load(src_offs + 1), ALIGN)
-            v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 1, M, 0)) & cmask, other=0.0)
-            if DT > 0:
-                v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 1, M, 0)) & (h_i < H), other=0.0)
-        for i in range(n_src):
-            v = v_next.to(tl.float32)
-            off = tl.multiple_of(tl.load(src_offs + i + PF), ALIGN)
-            if PF == 2:
-                v_next = v_next2
-                v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & cmask, other=0.0)
-            else:
-                v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
-            sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
-            sc = tl.reduce(w * v, 3, _ADD, keep_dims=True)
-            if not NORM:
-                a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
-            if DT > 0:
-                v_t = v_next_t.to(tl.float32)
-                if PF == 2:
-                    v_next_t = v_next2_t
-                    v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & (h_i < H), other=0.0)
-                else:
-                    v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
-                sq += tl.reduce(tl.reduce(v_t * v_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
-                sc += tl.reduce(w_t * v_t, 3, _ADD, keep_dims=True)
-                if not NORM:
-                    a += tl.reduce(dr_t * v_t, 3, _ADD, keep_dims=True)
-            rstd = 1.0 / tl.sqrt(sq / D + eps)
-            alpha = tl.exp(sc * rstd - lse)
-            if not NORM:
-                dsum += alpha * a
-            if ADDITIVE or NORM:
-                racc += tl.reduce(alpha * v, 0, _ADD, keep_dims=True)
-                if DT > 0:
-                    racc_t += tl.reduce(alpha * v_t, 0, _ADD, keep_dims=True)
-            if REPLAY:
-                if not REBUILD:  # (REBUILD: the stream added the outputs above)
-                    hs = hs + v
+                    hs_t = hs_t + v_next_t.to(tl.float32)
+                for k in range(1, n_rep):
+                    o_off = tl.multiple_of(tl.load(src_offs + k), ALIGN)
+                    o = tl.load(src_base + o_off + x_off, mask=xmask, other=0.0).to(tl.float32)
+                    hs = hs + o
+                    run_s = v_next.to(tl.float32) + o
+                    if src_base.dtype.element_ty == tl.bfloat16:  # round to nearest even on the bits
+                        bits = run_s.to(tl.uint32, bitcast=True)
+                        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+                        run_s = tl.where(run_s == run_s, bits.to(tl.float32, bitcast=True), run_s)
+                    v_next = run_s.to(src_base.dtype.element_ty)
                     if DT > 0:
-                        hs_t = hs_t + v_t
+                        o_t = tl.load(src_base + o_off + x_off_t, mask=hmask, other=0.0).to(tl.float32)
+                        hs_t = hs_t + o_t
+                        run_t = v_next_t.to(tl.float32) + o_t
+                        if src_base.dtype.element_ty == tl.bfloat16:
+                            bits_t = run_t.to(tl.uint32, bitcast=True)
+                            bits_t = ((bits_t + 0x7FFF + ((bits_t >> 16) & 1)) >> 16) << 16
+                            run_t = tl.where(run_t == run_t, bits_t.to(tl.float32, bitcast=True), run_t)
+                        v_next_t = run_t.to(src_base.dtype.element_ty)
+            if PF == 2:  # a second source in flight
+                off = tl.multiple_of(tl.load(src_offs + 1), ALIGN)
+                v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 1, M, 0)) & cmask, other=0.0)
+                if DT > 0:
+                    v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 1, M, 0)) & (h_i < H), other=0.0)
+            for i in range(n_src):
+                v = v_next.to(tl.float32)
+                off = tl.multiple_of(tl.load(src_offs + i + PF), ALIGN)
+                if PF == 2:
+                    v_next = v_next2
+                    v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & cmask, other=0.0)
+                else:
+                    v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
+                sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+                sc = tl.reduce(w * v, 3, _ADD, keep_dims=True)
+                if not NORM:
+                    a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
+                if DT > 0:
+                    v_t = v_next_t.to(tl.float32)
+                    if PF == 2:
+                        v_next_t = v_next2_t
+                        v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & (h_i < H), other=0.0)
+                    else:
+                        v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
+                    sq += tl.reduce(tl.reduce(v_t * v_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+                    sc += tl.reduce(w_t * v_t, 3, _ADD, keep_dims=True)
+                    if not NORM:
+                        a += tl.reduce(dr_t * v_t, 3, _ADD, keep_dims=True)
+                rstd = 1.0 / tl.sqrt(sq / D + eps)
+                alpha = tl.exp(sc * rstd - lse)
+                if not NORM:
+                    dsum += alpha * a
+                if ADDITIVE or NORM:
+                    racc += tl.reduce(alpha * v, 0, _ADD, keep_dims=True)
+                    if DT > 0:
+                        racc_t += tl.reduce(alpha * v_t, 0, _ADD, keep_dims=True)
+                if REPLAY:
+                    if not REBUILD:  # (REBUILD: the stream added the outputs above)
+                        hs = hs + v
+                        if DT > 0:
+                            hs_t = hs_t + v_t
         if NORM:
             # the norm's backward: dx = rstd_n * (weight * dy - x^ <weight * dy, x^> / d), x^ = rstd_n * x
             # over the whole width, x = r (or stream + gate * r); then dout = dx stands for the
@@ -645,10 +673,15 @@ def _route_bwd(
                 if DT > 0:
                     dr_t = dout_t
             dsum += tl.reduce(dr * racc, 3, _ADD, keep_dims=True)
-            p_a = tl.reduce(dr * po, 3, _ADD, keep_dims=True)
             if DT > 0:
                 dsum += tl.reduce(dr_t * racc_t, 3, _ADD, keep_dims=True)
-                p_a += tl.reduce(dr_t * po_t, 3, _ADD, keep_dims=True)
+            if SAVED_R:
+                d_r = dsum  # D = <dr, r>_h, before the lse's gradient enters
+                a_sum = tl.full([BS, BM, BH, 1], 0.0, tl.float32)  # sum_i alpha_i <dr, v_i>_h, from pass two
+            else:
+                p_a = tl.reduce(dr * po, 3, _ADD, keep_dims=True)
+                if DT > 0:
+                    p_a += tl.reduce(dr_t * po_t, 3, _ADD, keep_dims=True)
         if HAS_DLSE:  # d lse_h enters every score like a constant shift of its D
             dsum -= tl.load(dlse_ptr + sh_off, mask=shmask, other=0.0)
         if ADDITIVE:
@@ -659,7 +692,8 @@ def _route_bwd(
             tl.store(dprior_ptr + x_off, (p_alpha * dr).to(dprior_ptr.dtype.element_ty), mask=xmask)
             if DT > 0:
                 tl.store(dprior_ptr + x_off_t, (p_alpha * dr_t).to(dprior_ptr.dtype.element_ty), mask=hmask)
-            tl.store(dprior_lse_ptr + hm_off, p_alpha * (p_a - dsum), mask=hmask)
+            if not SAVED_R:
+                tl.store(dprior_lse_ptr + hm_off, p_alpha * (p_a - dsum), mask=hmask)
 
         # pass 2: every source gradient, and dw summed over this program's tokens
         off = tl.multiple_of(tl.load(src_offs), ALIGN)
@@ -718,6 +752,8 @@ def _route_bwd(
             s = sc * rstd  # [BS, BM, BH, 1]
             alpha = tl.where(shmask, tl.exp(s - lse), 0.0)
             ds = alpha * (a - dsum)
+            if SAVED_R:
+                a_sum += alpha * a
             t = tl.reduce(tl.reduce(ds * s, 2, _ADD, keep_dims=True), 0, _ADD, keep_dims=True) / D  # [1, BM, 1, 1]
             dv = tl.reduce(alpha * dr, 0, _ADD, keep_dims=True)  # through the weighted sum
             dv += rstd * tl.reduce(ds * w, 0, _ADD, keep_dims=True)  # through the score
@@ -735,6 +771,8 @@ def _route_bwd(
                     dv_t += acc_t.to(tl.float32)
                 tl.store(dsrc_base + d_off + x_off_t, dv_t.to(dsrc_base.dtype.element_ty), mask=hmask)
                 dw_acc_t += tl.reduce(ds * (v_t * rstd), 1, _ADD, keep_dims=True)
+        if SAVED_R:  # p_alpha <dr, o>_h = D - sum_i alpha_i <dr, v_i>_h, since r = p_alpha o + sum_i alpha_i v_i
+            tl.store(dprior_lse_ptr + hm_off, d_r - a_sum - p_alpha * dsum, mask=hmask)
 
     tl.store(dw_ptr + (pid * n_sites + s_i).to(tl.int64) * D + col, dw_acc, mask=smask & cmask)
     if DT > 0:
@@ -1707,10 +1745,13 @@ def _forward(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
     stream: Optional[Tensor], gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
     store_scores: bool, save_rstd: bool = False, norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0,
+    save_routed: bool = False,
 ) -> list[Tensor]:
     like = sources[0] if sources else prior_out
     if norm_weight is not None and (prior_out is None or queries.shape[0] != 1):
         raise ValueError("triton depth routing: the fused RMSNorm (norm_weight) needs one site with a prior")
+    if save_routed and (norm_weight is None or stream is not None):
+        raise ValueError("triton depth routing: save_routed is for the fused norm's replacement form (norm_weight, no stream)")
     shape, d = like.shape, like.shape[-1]
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
     interpret = like.device.type != "cuda"
@@ -1730,6 +1771,7 @@ def _forward(
     scores = _new((n_src, *shape[:-1], heads) if store_scores else (0,), torch.float32, like.device)
     store_rstd = bool(save_rstd) and n_src > 0
     rstd = _new((n_src, M) if store_rstd else (0,), torch.float32, like.device)
+    routed = [_new(shape, SAVED_ROUTED_DTYPE or like.dtype, like.device)] if save_routed else []  # the norm's input r (SAVE_ROUTED)
     dummy = w
     if _fwd_on_dots(n_sites, n_src, d, heads, stream, prior_out, store_scores, norm_weight, like.dtype):
         # phase one on tensor cores: program p takes every progs-th tile of tokens, all heads
@@ -1760,13 +1802,13 @@ def _forward(
         _aligned(stream) if stream is not None else dummy, gate.contiguous() if gate is not None else dummy,
         _aligned(prior_out) if prior_out is not None else dummy, prior_lse.contiguous() if prior_lse is not None else dummy,
         scores if store_scores else dummy, rstd if store_rstd else dummy,
-        norm_weight.contiguous() if norm_weight is not None else dummy,
+        norm_weight.contiguous() if norm_weight is not None else dummy, routed[0] if routed else dummy,
         M, eps, float(norm_eps),
         D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, DT=dt, PF=PREFETCH["fwd"], BS=group, BM=bm, ALIGN=16 // base.element_size(),
         ADDITIVE=stream is not None, HAS_PRIOR=prior_out is not None, STORE_SCORES=store_scores, STORE_RSTD=store_rstd,
-        NORM=norm_weight is not None, num_warps=warps,
+        NORM=norm_weight is not None, STORE_ROUTED=save_routed, num_warps=warps,
     )
-    return [*outs, lse, scores, rstd]
+    return [*outs, lse, scores, rstd, *routed]
 
 
 def _source_grad_targets(sink: Optional[SinkBinding], n_src: int, like: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor], int]:
@@ -1802,14 +1844,16 @@ def _backward(
     gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
     lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], rstd: Optional[Tensor] = None,
     norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0, stream: Optional[Tensor] = None,
-    sink: Optional[SinkBinding] = None, stream_replay: bool = False, rebuild: bool = False,
+    sink: Optional[SinkBinding] = None, stream_replay: bool = False, rebuild: bool = False, saved_routed: bool = False,
 ) -> list[Tensor]:
     """The fused backward (:func:`route_bwd`); with ``sink`` the source gradients are added into
     the sink's slots inside the kernels and the first returned gradient is an empty tensor. With
     ``stream_replay`` (fused norm, additive form) ``stream`` is the stream at the group's start,
     and the site's stream is that plus the sources in order (``merge_route_norm``'s ``stream_start``);
     with ``rebuild`` too, ``sources`` are a block's outputs, whose running sum is the one source and
-    which the stream adds instead (``block_outputs``)."""
+    which the stream adds instead (``block_outputs``). With ``saved_routed`` (fused norm,
+    replacement form) ``prior_out`` is the routed value r the forward stored (``save_routed``): the
+    kernel runs one pass over the sources instead of two, and ``dprior`` has r's dtype."""
     like = sources[0] if sources else prior_out
     shape, d = like.shape, like.shape[-1]
     n_sites, n_src, M = queries.shape[0], (1 if rebuild else len(sources)), like.numel() // d
@@ -1828,7 +1872,8 @@ def _backward(
         grads = [_aligned(g.to(grads[0].dtype)) for g in grads]
     w = (queries.float() * gains.float()).contiguous()
     dsrc, targets, addends, n_acc = _source_grad_targets(sink, n_src, like) if n_src else (_new((0,), like.dtype, device), [w], [w], 0)
-    dprior = _new(shape if prior_out is not None else (0,), prior_out.dtype if prior_out is not None else torch.float32, device)
+    prior_dtype = like.dtype if saved_routed else prior_out.dtype if prior_out is not None else torch.float32  # (r's may differ)
+    dprior = _new(shape if prior_out is not None else (0,), prior_dtype, device)
     dprior_lse = _new(prior_lse.shape if prior_lse is not None else (0,), torch.float32, device)
     dummy = w
     flags = dict(
@@ -1861,6 +1906,9 @@ def _backward(
     flags["REBUILD"] = flags["REPLAY"] and rebuild
     if rebuild and not flags["REBUILD"]:
         raise ValueError("triton depth routing: rebuilding a block's running sum needs the fused norm's replayed stream")
+    flags["SAVED_R"] = saved_routed
+    if saved_routed and (norm_weight is None or gate is not None or prior_out is None):
+        raise ValueError("triton depth routing: a saved routed value stands for the prior of a fused norm's replacement-form merge")
 
     def args(dw: Tensor, dgate: Tensor, dnw: Tensor) -> tuple:
         return (
@@ -2273,9 +2321,17 @@ class _RouteFunction(torch.autograd.Function):
         ctx, heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight,
         stream_start, block_outputs, *sources,
     ):
-        outs = _forward(
-            list(sources), queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, norm_eps
+        # a fused norm's merge in the replacement form: r saved in place of the prior (SAVE_ROUTED)
+        ctx.saved_routed = (
+            SAVE_ROUTED and norm_weight is not None and stream is None and prior_out is not None
+            and len(sources) >= max(1, SAVE_ROUTED_MIN_SOURCES) and prior_out.dtype == sources[0].dtype
         )
+        outs = _forward(
+            list(sources), queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, norm_eps,
+            save_routed=ctx.saved_routed,
+        )
+        if ctx.saved_routed:
+            prior_out = outs.pop()  # r: what the backward reads where it read the prior
         n_out = 1 if stream is not None else queries.shape[0]
         # the fused norm's backward needs the stream: saved, or replayed from the group's start
         ctx.stream_replay = norm_weight is not None and stream is not None and stream_start is not None
@@ -2293,7 +2349,10 @@ class _RouteFunction(torch.autograd.Function):
     @once_differentiable  # the kernels' gradients are not differentiable again (as with the custom op)
     def backward(ctx, *grads):
         sink = ctx.sink
-        res = _gradients(ctx, grads, functools.partial(_backward, sink=sink, stream_replay=ctx.stream_replay, rebuild=ctx.rebuild))
+        res = _gradients(
+            ctx, grads,
+            functools.partial(_backward, sink=sink, stream_replay=ctx.stream_replay, rebuild=ctx.rebuild, saved_routed=ctx.saved_routed),
+        )
         if res is None:
             return (None,) * (15 + ctx.n_src)
         d_src, *rest = res
