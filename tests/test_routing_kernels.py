@@ -878,6 +878,50 @@ def merge_norm_side_inputs(g, tokens, d, heads, dtype):
     return prior, prior_lse, query, gain, weight, gate, torch.randn((tokens, d), generator=g).to(DEVICE, dtype)
 
 
+# (sources, heads, d, tokens, dtype): below SAVE_ROUTED_MIN_SOURCES (the prior kept, two passes),
+# at and above it, a split head width (96 = 64 + 32 lanes at H = 1) and a padded one (1000 / 4)
+SAVED_ROUTED_CASES = [
+    (1, 4, 64, 37, torch.float32), (2, 4, 64, 37, torch.float32), (5, 1, 96, 70, torch.bfloat16), (3, 4, 1000, 9, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize(
+    "n,heads,d,tokens,dtype", SAVED_ROUTED_CASES, ids=[f"N{c[0]}-H{c[1]}-d{c[2]}-T{c[3]}-{str(c[4])[6:]}" for c in SAVED_ROUTED_CASES]
+)
+def test_merge_route_norm_saves_its_routed_value_in_float32_instead_of_the_prior(monkeypatch, n, heads, d, tokens, dtype):
+    """The replacement form's fused merge over at least SAVE_ROUTED_MIN_SOURCES sources keeps the
+    routed value r (the norm's input, float32) for its one-pass backward and not the prior, which
+    the caller may then free; below that it keeps the prior. The output is bit-identical to the
+    two-pass backward's forward, and every gradient equals the two-pass one to float32 rounding
+    (r unrounded: the prior's lse gradient from D - sum_i alpha_i <dr, v_i>_h - p_alpha D)."""
+    g = torch.Generator().manual_seed(n + d)
+    shape = (tokens, d)
+    sources = [(torch.randn(shape, generator=g) * (0.5 + i)).to(DEVICE, dtype) for i in range(n)]
+    prior, prior_lse, query, gain, weight, _, dy = merge_norm_side_inputs(g, tokens, d, heads, dtype)
+    query = query * (heads / d) ** 0.5  # scores of order one: no source's weight vanishes
+    results = []
+    for save in (False, True):
+        monkeypatch.setattr(tr, "SAVE_ROUTED", save)
+        leaves = [x.detach().clone().requires_grad_() for x in (*sources, query, gain, prior, prior_lse, weight)]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = tr.merge_route_norm(leaves[:n], leaves[n], leaves[n + 1], heads, leaves[n + 2], leaves[n + 3], leaves[n + 4], 1e-5)
+        keeps_r = save and n >= tr.SAVE_ROUTED_MIN_SOURCES
+        assert any(t is leaves[n + 2] for t in saved) != keeps_r
+        routed = [t for t in saved if t.shape == prior.shape and t.dtype == torch.float32 and not any(t is x for x in leaves)]
+        assert len(routed) == keeps_r
+        if keeps_r:  # the norm's input: y is its RMSNorm times the weight
+            tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)  # (y rounded to bf16)
+            torch.testing.assert_close(torch.nn.functional.rms_norm(routed[0], (d,), weight.float(), 1e-5), y.float(), **tol)
+        results.append([y, *torch.autograd.grad(y, leaves, dy)])
+    (y0, *g0), (y1, *g1) = results
+    assert torch.equal(y0, y1)
+    names = [f"source{i}" for i in range(n)] + ["query", "gain", "prior", "prior_lse", "norm_weight"]
+    for name, a, b in zip(names, g1, g0):
+        assert a.dtype == b.dtype, name
+        assert rel_err(a, b) < (1e-5 if dtype == torch.float32 else 1e-2), name
+
+
 # (sources, heads, d, tokens, sources' dtype, stream's dtype): one tile per head (16), split head
 # widths (96 = 64 + 32), a bf16 stream (which the kernels save instead: they add in float32)
 STREAM_START_CASES = [
