@@ -47,8 +47,10 @@ VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L su
     "delta-block8-H8": dict(residual="delta", heads=8, block_size="8blocks"),
     # full routing site by site (no two-phase groups): what full routing ran before the groups
     "mhar-full-H8-persite": dict(residual="attnres", heads=8, block_size=1, full_routing_group=1),
-    # full routing's phase one in groups of 4 or 16 sites instead of 8
+    # full routing's phase one in groups of 4, 6, 12 or 16 sites instead of 8
     "mhar-full-H8-g4": dict(residual="attnres", heads=8, block_size=1, full_routing_group=4),
+    "mhar-full-H8-g6": dict(residual="attnres", heads=8, block_size=1, full_routing_group=6),
+    "mhar-full-H8-g12": dict(residual="attnres", heads=8, block_size=1, full_routing_group=12),
     "mhar-full-H8-g16": dict(residual="attnres", heads=8, block_size=1, full_routing_group=16),
     "delta-full-H8-persite": dict(residual="delta", heads=8, block_size=1, full_routing_group=1),
     "hyper-dhc-n4": dict(residual="hyper", hc_rate=4, hc_dynamic=True),  # its connections run eagerly, like routing
