@@ -53,6 +53,9 @@ VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L su
     "mhar-full-H8-g12": dict(residual="attnres", heads=8, block_size=1, full_routing_group=12),
     "mhar-full-H8-g16": dict(residual="attnres", heads=8, block_size=1, full_routing_group=16),
     "delta-full-H8-persite": dict(residual="delta", heads=8, block_size=1, full_routing_group=1),
+    "delta-full-H8-g8": dict(residual="delta", heads=8, block_size=1, full_routing_group=8),
+    "delta-full-H8-g12": dict(residual="delta", heads=8, block_size=1, full_routing_group=12),
+    "mhar-full-H8-g8": dict(residual="attnres", heads=8, block_size=1, full_routing_group=8),
     "hyper-dhc-n4": dict(residual="hyper", hc_rate=4, hc_dynamic=True),  # its connections run eagerly, like routing
     # AttnRes (H = 1)
     "attnres-block8": dict(residual="attnres", heads=1, block_size="8blocks"),
