@@ -34,7 +34,7 @@ from triton.testing import do_bench
 
 from lit_mhar import LM, ModelConfig, routing
 
-FULL_ROUTING_GROUP = routing.FULL_ROUTING_GROUP
+FULL_ROUTING_GROUPS = (routing.FULL_ROUTING_GROUP, routing.FULL_ROUTING_GROUP_ADDITIVE)  # the package's (replacement, additive)
 
 DATASHEET_TFLOPS = 989.0
 SCALES = {"100m": (64, 2048, 12), "350m": (32, 1024, 24), "1b": (32, 1024, 36), "debug": (2, 64, 4)}  # batch, seq, layers
@@ -47,7 +47,7 @@ VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L su
     "delta-block8-H8": dict(residual="delta", heads=8, block_size="8blocks"),
     # full routing site by site (no two-phase groups): what full routing ran before the groups
     "mhar-full-H8-persite": dict(residual="attnres", heads=8, block_size=1, full_routing_group=1),
-    # full routing's phase one in groups of 4, 6, 12 or 16 sites instead of 8
+    # full routing's phase one in groups of 4, 6, 8, 12 or 16 sites (the package: 12 for MHAR, 8 for Delta)
     "mhar-full-H8-g4": dict(residual="attnres", heads=8, block_size=1, full_routing_group=4),
     "mhar-full-H8-g6": dict(residual="attnres", heads=8, block_size=1, full_routing_group=6),
     "mhar-full-H8-g12": dict(residual="attnres", heads=8, block_size=1, full_routing_group=12),
@@ -113,6 +113,7 @@ KNOBS = {
                 (TR, "TUNED_TILES", ("bwd_stats", 1024, 1)): (2048, 2), (TR, "TUNED_TILES", ("bwd_sources", 1024, 1)): (1024, 2)},  # H = 1 at 100m / 350m on the (kind, width) tiles (before the fifteenth set)
     "two-pass-merges": {(TR, "SAVE_ROUTED"): False},  # fused-norm merges recompute r in a first pass over the sources (before the sixteenth set)
     "routed-bf16": {(TR, "SAVED_ROUTED_DTYPE"): None},  # ... save r in the sources' dtype (bf16), not float32
+    "routed-from-2": {(TR, "SAVE_ROUTED_MIN_SOURCES"): 2},  # ... from 2 sources (the sixteenth set's calls 1-5)
     "routed-all": {(TR, "SAVE_ROUTED_MIN_SOURCES"): 1},  # ... save r at merges of one source too (block routing, a full-routing group's second site)
     "pad-dots": {(TR, "DOT_SPLIT_WIDTH"): False},  # tensor-core kernels pad 1b's head width 160 to 256, pass two on the vector kernel (before the fourteenth set)
 }
@@ -173,7 +174,9 @@ def training_parts(scale, overrides, batch, seq, compile_):
     layers = SCALES[scale][2]
     kw = dict(overrides)
     # full routing's two-phase group size is a module setting, not a config field: set per variant
-    routing.FULL_ROUTING_GROUP = kw.pop("full_routing_group", FULL_ROUTING_GROUP)
+    # (either form's; the package's own where the variant names none)
+    group = kw.pop("full_routing_group", None)
+    routing.FULL_ROUTING_GROUP, routing.FULL_ROUTING_GROUP_ADDITIVE = (group, group) if group else FULL_ROUTING_GROUPS
     if kw.get("block_size") == "8blocks":
         kw["block_size"] = 2 * layers // 8
     cfg = ModelConfig.from_name(scale, **kw)

@@ -174,7 +174,7 @@ EAGER_FUNCTION = True
 # block MHAR 0.916 against 0.910 recomputing, full MHAR 0.677 against 0.660). A benchmark knob.
 SAVE_RSTD = True
 # A merge fused with the next RMSNorm (replacement form, at least SAVE_ROUTED_MIN_SOURCES sources:
-# full routing's sites past a group's second; eager calls) writes its routed value r, the norm's
+# full routing's sites past a group's third; eager calls) writes its routed value r, the norm's
 # input, in SAVED_ROUTED_DTYPE as well as the norm's output, and saves r instead of the prior: its
 # backward then has the norm's input and D = <dr, r>_h without a first pass over the sources, so
 # it reads them once instead of twice. The prior's lse gradient is D - sum_i alpha_i <dr, v_i>_h
@@ -184,7 +184,7 @@ SAVE_RSTD = True
 # BENCHMARKS.md (sixteenth set). Benchmark knobs (SAVE_ROUTED False: the backward recomputes r
 # from the prior and the sources in a first pass; SAVED_ROUTED_DTYPE None: r in the sources' dtype).
 SAVE_ROUTED = True
-SAVE_ROUTED_MIN_SOURCES = 2
+SAVE_ROUTED_MIN_SOURCES = 3  # (at 2 sources the merge measured 2-8% faster: not worth 2 bytes per element)
 SAVED_ROUTED_DTYPE: Optional[torch.dtype] = torch.float32
 # Head widths d/H that are a sum of two powers of two (96 = 64 + 32; 160 = 128 + 32 at 1b with
 # H = 8) are held by the training kernels as two tiles per head instead of one padded to the next

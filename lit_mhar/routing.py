@@ -23,10 +23,20 @@ from lit_mhar.kernels import GradientSink, depth_route, merge_route, merge_route
 
 
 # Sites of full routing (S = 1) routed together in phase one of the two-phase computation: each
-# complete source is read once per group, not once per site (BENCHMARKS.md).
-FULL_ROUTING_GROUP = 8
+# complete source is read once per group, not once per site. A larger group reads the complete
+# sources in fewer passes and merges more newer ones per site. The replacement form (MHAR) takes
+# groups of 12 since its merges read their sources once (SAVE_ROUTED): full MHAR at 350m 0.840 /
+# 0.842 against 0.821 / 0.838 x prenorm in groups of 8, at 1b 0.810 / 0.806 against 0.780 / 0.778,
+# at 100m 0.784 / 0.779 against 0.791 / 0.785. Delta AttnRes keeps groups of 8 (100m 0.699
+# against 0.713, 1b 0.706 against 0.702). BENCHMARKS.md, sixteenth set.
+FULL_ROUTING_GROUP = 12
+FULL_ROUTING_GROUP_ADDITIVE = 8
 
-# Decoding with full routing: a group of FULL_ROUTING_GROUP sites whose first site already has at
+# Decoding with full routing: sites per phase-one group of a decode step (BENCHMARKS.md, fourth
+# set; decoding has no backward, so the training's group sizes do not carry over).
+DECODE_ROUTING_GROUP = 8
+
+# Decoding with full routing: a group of DECODE_ROUTING_GROUP sites whose first site already has at
 # least this many complete slots routes them in one phase-one pass; each site then reads only the
 # slots written since (BENCHMARKS.md, fourth set). Shorter histories are routed site by site.
 DECODE_PREFIX_MIN_SOURCES = 16
@@ -85,7 +95,8 @@ class DepthHistory:
     reads each of those sources once instead of once per site; each site then merges that result
     by an online-softmax step with what was added since (the partial block; in full routing the
     sublayer outputs since the group started). A group is a block (Block AttnRes, S > 1) or
-    ``FULL_ROUTING_GROUP`` consecutive sites (full routing, S = 1). The result equals per-site
+    ``FULL_ROUTING_GROUP`` consecutive sites (full routing, S = 1; ``FULL_ROUTING_GROUP_ADDITIVE``
+    in the additive form, whose sites have a gate). The result equals per-site
     routing over :meth:`sources` up to rounding (float64: to 1e-12).
 
     Args:
@@ -94,7 +105,8 @@ class DepthHistory:
         sites: the model's routing sites in depth order (site ``l`` runs before sublayer ``l``;
             the last one before the LM head); needed for ``two_phase``.
         two_phase: route groups of sites in two phases as above (ignored without ``sites``).
-        group_size: sites per group; default S, or ``FULL_ROUTING_GROUP`` when S = 1. 1 routes
+        group_size: sites per group; default S, or when S = 1 ``FULL_ROUTING_GROUP``
+            (``FULL_ROUTING_GROUP_ADDITIVE`` for sites with a gate). 1 routes
             site by site.
 
     Raises:
@@ -110,7 +122,8 @@ class DepthHistory:
         if group_size is not None and group_size < 1:
             raise ValueError(f"DepthHistory: group_size={group_size} must be >= 1 (or None for the default)")
         self.block_size = block_size
-        self.group_size = group_size or (block_size if block_size > 1 else FULL_ROUTING_GROUP)
+        additive = bool(sites) and sites[0].gate is not None
+        self.group_size = group_size or (block_size if block_size > 1 else FULL_ROUTING_GROUP_ADDITIVE if additive else FULL_ROUTING_GROUP)
         self.partial: Optional[Tensor] = None
         self.n_appended = 0
         self.sites = list(sites) if sites is not None else None
@@ -366,7 +379,7 @@ class DecodeHistory:
         n_sublayers: sublayers in the model (2L), to size the buffer.
         sites: the model's routing sites in depth order (:meth:`lit_mhar.model.LM.routing_sites`,
             2L + 1 of them), for the grouped phase one of full routing; None routes site by site.
-        group_size: sites per group (default ``FULL_ROUTING_GROUP``); 1 routes site by site.
+        group_size: sites per group (default ``DECODE_ROUTING_GROUP``); 1 routes site by site.
         prefix_min: complete slots from which a group takes the phase-one pass (default
             ``DECODE_PREFIX_MIN_SOURCES``).
 
@@ -389,7 +402,7 @@ class DecodeHistory:
     ) -> None:
         if block_size < 1:
             raise ValueError(f"DecodeHistory: block_size={block_size} must be >= 1")
-        group_size = FULL_ROUTING_GROUP if group_size is None else group_size
+        group_size = DECODE_ROUTING_GROUP if group_size is None else group_size
         prefix_min = DECODE_PREFIX_MIN_SOURCES if prefix_min is None else prefix_min
         for name, value in (("group_size", group_size), ("prefix_min", prefix_min)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

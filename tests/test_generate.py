@@ -152,7 +152,7 @@ def test_full_routing_decode_routes_groups_of_sites_in_one_pass(residual, backen
     from lit_mhar.kernels import reference, triton_routing
 
     monkeypatch.setattr(routing, "DECODE_PREFIX_MIN_SOURCES", 3)
-    monkeypatch.setattr(routing, "FULL_ROUTING_GROUP", 2)
+    monkeypatch.setattr(routing, "DECODE_ROUTING_GROUP", 2)
     module = triton_routing if backend == "triton" else reference
     passes = []
     original = module.route_sites_decode
@@ -207,7 +207,7 @@ def test_decode_history_refuses_bad_use_before_changing_state(monkeypatch):
 
     # a group whose sites differ in eps is routed site by site, and decodes like the full forward
     monkeypatch.setattr(routing, "DECODE_PREFIX_MIN_SOURCES", 1)
-    monkeypatch.setattr(routing, "FULL_ROUTING_GROUP", 2)
+    monkeypatch.setattr(routing, "DECODE_ROUTING_GROUP", 2)
     sites[3].eps = 1e-2
     passes = []
     original = routing.route_sites_decode

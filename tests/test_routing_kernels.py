@@ -1691,16 +1691,19 @@ def test_two_phase_model_calls_route_sites_once_per_block(monkeypatch):
     assert calls == [(1, 3), (2, 3), (3, 1)]
 
 
-def test_two_phase_full_routing_calls_route_sites_once_per_group(monkeypatch):
+@pytest.mark.parametrize("residual,calls_expected", [("attnres", [(1, 12), (13, 3)]), ("delta", [(1, 8), (9, 7)])])
+def test_two_phase_full_routing_calls_route_sites_once_per_group(monkeypatch, residual, calls_expected):
+    """Full routing's phase one runs once per group of sites: 12 in the replacement form
+    (FULL_ROUTING_GROUP), 8 in the additive one (FULL_ROUTING_GROUP_ADDITIVE)."""
     from lit_mhar import routing
 
-    model = tiny_model("attnres", 2, 1, n_layer=5)  # 10 sublayers + final site, groups of FULL_ROUTING_GROUP = 8
+    model = tiny_model(residual, 2, 1, n_layer=7)  # 14 sublayers + final site
     calls = []
     original = routing.route_sites
     monkeypatch.setattr(routing, "route_sites", lambda srcs, q, *a, **kw: calls.append((len(srcs), q.shape[0])) or original(srcs, q, *a, **kw))
     with use_backend("triton"):
         model(torch.randint(0, 97, (1, 5)).to(DEVICE))
-    assert routing.FULL_ROUTING_GROUP == 8 and calls == [(1, 8), (9, 3)]
+    assert (routing.FULL_ROUTING_GROUP, routing.FULL_ROUTING_GROUP_ADDITIVE) == (12, 8) and calls == calls_expected
 
 
 def test_compiled_model_has_no_graph_break_around_the_op():
