@@ -184,7 +184,7 @@ SAVE_RSTD = True
 # BENCHMARKS.md (sixteenth set). Benchmark knobs (SAVE_ROUTED False: the backward recomputes r
 # from the prior and the sources in a first pass; SAVED_ROUTED_DTYPE None: r in the sources' dtype).
 SAVE_ROUTED = True
-SAVE_ROUTED_MIN_SOURCES = 3  # (at 2 sources the merge measured 2-8% faster: not worth 2 bytes per element)
+SAVE_ROUTED_MIN_SOURCES = 3  # (at 2 sources the merge measured 2-9% faster: not worth 2 bytes per element)
 SAVED_ROUTED_DTYPE: Optional[torch.dtype] = torch.float32
 # Head widths d/H that are a sum of two powers of two (96 = 64 + 32; 160 = 128 + 32 at 1b with
 # H = 8) are held by the training kernels as two tiles per head instead of one padded to the next
