@@ -215,7 +215,8 @@ def main(argv=None):
             torch.cuda.empty_cache()
 
         # the site loop on tensor cores against the vector kernels: the whole backward of phase one,
-        # block routing's pass and full routing's groups of 8 sites. "dots": pass one by warps (set
+        # block routing's pass and full routing's groups of 8 sites (Delta's; MHAR's are 12 since the
+        # sixteenth set, whose passes these shapes do not time). "dots": pass one by warps (set
         # for the kind whatever the tile) and elements per tile; "passes": pass one, then both passes.
         # The tensor-core kernels take any head width here up to 256 (1b's 160 padded to 256), pass
         # two too (``DOT_SOURCES_PADDED``).
@@ -275,7 +276,7 @@ def main(argv=None):
                 torch.cuda.empty_cache()
 
         # "wide": phase-one passes over more sources than one tensor-core tile held before
-        # (DOT_MAX_SOURCES = 64): full routing's last group (2L - 7 sources, 8 sites) and its final
+        # (DOT_MAX_SOURCES = 64): full routing's last group in groups of 8 (2L - 7 sources, 8 sites; Delta's) and its final
         # site (2L + 1 sources), H = 8, on the vector kernels against the tensor-core kernels with
         # tiles of up to 128 sources for every pass (one site too, pass two in one launch), by warps
         # of the three tensor-core kernels, and the package's defaults; forward and the whole

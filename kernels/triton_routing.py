@@ -15,7 +15,9 @@ additive form), extended in two ways that the model's Block AttnRes path uses:
   ``RMSNorm(x) * weight`` of its output ``x`` (``r``, or ``stream + gate * r``) instead of ``x``,
   and its backward recomputes ``x`` from the prior and the sources (and the stream), applies the
   norm's backward and sums the weight's gradient per program, so neither ``x`` nor the norm's
-  input is written or saved.
+  input is written or saved; except that an eager merge of the replacement form over at least
+  ``SAVE_ROUTED_MIN_SOURCES`` sources, with a backward to come, writes ``r`` in float32 and saves
+  it in place of the prior (``SAVE_ROUTED``), so that its backward reads the sources once.
 
 Forward, per tile of ``BM`` tokens and a group of ``FWD_SITES`` sites (the groups of a pass are
 programs side by side, so a source tile is read from HBM once and from L2 by the other groups), one
@@ -23,7 +25,8 @@ loop over the sources:
 ``rstd_i`` (key RMSNorm), the per-head score ``s_i = rstd_i * <q*g, v_i>_h`` and an online softmax
 in float32; normalised keys are never written. Saved for backward: the log-sum-exp ``[S, M, H]``
 float32 (4 bytes per token and head), nothing of size ``[N, M, d]``. Backward recomputes
-``rstd``, ``s`` and ``alpha = exp(s - lse)`` from the sources in two passes: the first forms
+``rstd``, ``s`` and ``alpha = exp(s - lse)`` from the sources in two passes (one where a fused
+merge saved ``r``: ``D`` is then ``<dr, r>_h``): the first forms
 ``D = sum_i alpha_i <dr, v_i>_h`` (= ``<dr, r>_h``), the second writes every source gradient
 
     ds_i = alpha_i * (<dr, v_i>_h - D + dlse)
@@ -37,7 +40,9 @@ from the first source (no ``torch.stack``); every row offset is int64, so ``N * 
 exceed ``2**31``.
 
 Two kernels run those passes. The two-pass kernel (``_route_bwd``, merges and short single sites)
-keeps a token's gradients of all sites of the pass in registers and runs both passes per tile.
+keeps a token's gradients of all sites of the pass in registers and runs both passes per tile; a
+merge fused with the norm whose forward saved its routed value r (``SAVE_ROUTED``) needs no first
+pass: the norm's input and ``D = <dr, r>_h`` come from r.
 The site-loop kernels (``_route_bwd_stats`` then ``_route_bwd_sources``: several sites, or one
 site over many sources) hold one site's gradient at a time (``STATS_SITES``): the first runs one
 program per (site, range of tiles) and also stores every ``s_i`` and ``<dr, v_i>_h``
@@ -1839,6 +1844,22 @@ def _saves_rstd(sources: Sequence[Tensor], queries: Tensor, gains: Tensor, has_p
     )
 
 
+def _saves_routed(
+    sources: Sequence[Tensor], queries: Tensor, gains: Tensor, stream: Optional[Tensor], prior_out: Optional[Tensor],
+    prior_lse: Optional[Tensor], norm_weight: Optional[Tensor],
+) -> bool:
+    """Whether an eager call's forward writes and saves the routed value r for a one-pass backward
+    (``SAVE_ROUTED``): a merge fused with the norm in the replacement form over at least
+    ``SAVE_ROUTED_MIN_SOURCES`` sources of the prior's dtype, and a backward that will run
+    (gradients on, an input that requires one), so that inference writes no r."""
+    return (
+        SAVE_ROUTED and norm_weight is not None and stream is None and prior_out is not None
+        and len(sources) >= max(1, SAVE_ROUTED_MIN_SOURCES) and prior_out.dtype == sources[0].dtype
+        and torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (queries, gains, prior_out, prior_lse, norm_weight, *sources))
+    )
+
+
 def _backward(
     sources: list[Tensor], queries: Tensor, gains: Tensor, heads: int, eps: float,
     gate: Optional[Tensor], prior_out: Optional[Tensor], prior_lse: Optional[Tensor],
@@ -1853,7 +1874,8 @@ def _backward(
     with ``rebuild`` too, ``sources`` are a block's outputs, whose running sum is the one source and
     which the stream adds instead (``block_outputs``). With ``saved_routed`` (fused norm,
     replacement form) ``prior_out`` is the routed value r the forward stored (``save_routed``): the
-    kernel runs one pass over the sources instead of two, and ``dprior`` has r's dtype."""
+    kernel runs one pass over the sources instead of two, and ``dprior`` has the sources' dtype
+    (the prior's, which r's float32 need not be)."""
     like = sources[0] if sources else prior_out
     shape, d = like.shape, like.shape[-1]
     n_sites, n_src, M = queries.shape[0], (1 if rebuild else len(sources)), like.numel() // d
@@ -2306,8 +2328,11 @@ class _RouteFunction(torch.autograd.Function):
     """Eager autograd of :func:`route_fwd`: the same kernels and gradients as the custom op's
     registered autograd, without the custom op's per-call argument handling (``EAGER_FUNCTION``).
 
-    ``apply(heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse,
+    ``apply(heads, eps, store_scores, save_rstd, save_routed, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse,
     norm_weight, stream_start, block_outputs, *sources)`` returns the custom op's outputs as a tuple. With
+    ``save_routed`` (:func:`_saves_routed`) a fused norm's merge saves its routed value r in place of
+    the prior and its backward runs one pass over the sources, where the custom op runs two
+    (the same gradients up to float32 rounding). With
     ``sink`` (a :class:`SinkBinding` of the sources) the sources' gradients are added into the sink
     inside the backward kernels and autograd gets none for them. With ``stream_start`` (fused
     norm, additive form: ``stream`` equals it plus the sources added in order) that is saved
@@ -2318,14 +2343,10 @@ class _RouteFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight,
-        stream_start, block_outputs, *sources,
+        ctx, heads, eps, store_scores, save_rstd, save_routed, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse,
+        norm_weight, stream_start, block_outputs, *sources,
     ):
-        # a fused norm's merge in the replacement form: r saved in place of the prior (SAVE_ROUTED)
-        ctx.saved_routed = (
-            SAVE_ROUTED and norm_weight is not None and stream is None and prior_out is not None
-            and len(sources) >= max(1, SAVE_ROUTED_MIN_SOURCES) and prior_out.dtype == sources[0].dtype
-        )
+        ctx.saved_routed = save_routed  # r saved in place of the prior (SAVE_ROUTED)
         outs = _forward(
             list(sources), queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, norm_eps,
             save_routed=ctx.saved_routed,
@@ -2354,11 +2375,11 @@ class _RouteFunction(torch.autograd.Function):
             functools.partial(_backward, sink=sink, stream_replay=ctx.stream_replay, rebuild=ctx.rebuild, saved_routed=ctx.saved_routed),
         )
         if res is None:
-            return (None,) * (15 + ctx.n_src)
+            return (None,) * (16 + ctx.n_src)
         d_src, *rest = res
         if sink is not None and sink.stream_slot is not None and ctx.norm_weight_given:
             rest[2] = None  # the stream's gradient went into its slot (the fused norm's backward kernel)
-        return (None, None, None, None, None, None, *rest, None, None, *(d_src.unbind(0) if sink is None else (None,) * ctx.n_src))
+        return (None,) * 7 + (*rest, None, None, *(d_src.unbind(0) if sink is None else (None,) * ctx.n_src))
 
 
 def _route(
@@ -2376,8 +2397,9 @@ def _route(
     (the custom op saves the stream and the sources)."""
     save_rstd = _saves_rstd(sources, queries, gains, prior_out is not None)
     if EAGER_FUNCTION and not torch.compiler.is_compiling():
+        save_routed = _saves_routed(sources, queries, gains, stream, prior_out, prior_lse, norm_weight)
         return _RouteFunction.apply(
-            heads, eps, store_scores, save_rstd, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight,
+            heads, eps, store_scores, save_rstd, save_routed, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight,
             stream_start, None if block_outputs is None else tuple(block_outputs), *sources,
         )
     return torch.ops.lit_mhar.route_fwd(
@@ -2511,9 +2533,11 @@ def merge_route_norm(
     """Second phase fused with the next sublayer's RMSNorm: one kernel forward, one backward.
 
     Same contract as :func:`lit_mhar.kernels.reference.merge_route_norm` (``y = RMSNorm(x) *
-    norm_weight``, ``x = r`` or ``stream + gate * r``, never rounded nor written). The backward
+    norm_weight``, ``x = r`` or ``stream + gate * r``, never rounded). The backward
     recomputes ``r`` from the prior and the sources, so the forward saves what the merge saves (the
-    prior, its lse, the sources; in the additive form the stream, or ``stream_start`` where given
+    prior, its lse, the sources; where a backward will run, the replacement form over at least
+    ``SAVE_ROUTED_MIN_SOURCES`` sources writes ``r`` in float32 and saves it instead of the prior,
+    and the backward reads the sources once (``SAVE_ROUTED``); in the additive form the stream, or ``stream_start`` where given
     and float32, from which the backward kernel recomputes the stream by adding the sources it
     reads anyway; with ``block_outputs`` too, block routing, the block's outputs so far instead of
     its running sum and the stream: the backward kernel rebuilds the running sum, rounding after

@@ -33,7 +33,8 @@ FULL_ROUTING_GROUP = 12
 FULL_ROUTING_GROUP_ADDITIVE = 8
 
 # Decoding with full routing: sites per phase-one group of a decode step (BENCHMARKS.md, fourth
-# set; decoding has no backward, so the training's group sizes do not carry over).
+# set; a decode step has no backward, so the training's group sizes do not carry over; a prefill
+# runs DepthHistory, with the groups above).
 DECODE_ROUTING_GROUP = 8
 
 # Decoding with full routing: a group of DECODE_ROUTING_GROUP sites whose first site already has at
@@ -43,9 +44,11 @@ DECODE_PREFIX_MIN_SOURCES = 16
 
 # Two-phase routing runs each site's second phase together with the next sublayer's RMSNorm in one
 # op (:func:`lit_mhar.kernels.merge_route_norm`): the site's output (the routed value, or Delta
-# AttnRes's stream + gate * routed value) is neither written, read back by the norm, cast, nor
-# saved for the norm's backward (BENCHMARKS.md, seventh set: block MHAR at 350m 0.939 against 0.918
-# x prenorm, peak memory 1.002 against 1.061). A benchmark knob (False: merge, then the norm module).
+# AttnRes's stream + gate * routed value) is neither read back by the norm, cast, nor saved for
+# the norm's backward in the sources' dtype (BENCHMARKS.md, seventh set: block MHAR at 350m 0.939
+# against 0.918 x prenorm, peak memory 1.002 against 1.061); full MHAR's merges of 3 or more
+# sources write and save it in float32 in place of the prior for a one-pass backward (the kernels'
+# SAVE_ROUTED, sixteenth set). A benchmark knob (False: merge, then the norm module).
 FUSED_NORM = True
 # The additive form in full routing (S = 1) too: on the additive form's merge tiles of 2 warps
 # (``TUNED_TILES``, "bwd_add") Delta full measured 0.680 against 0.664 x prenorm unfused at 350m,
