@@ -24,11 +24,13 @@ its backward in two passes against one pass on the routed value r saved in float
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import itertools
 import json
 import os
 import sys
+from unittest import mock
 
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
@@ -67,6 +69,13 @@ def tokens_per_program(elements: int, d: int, heads: int) -> int:
     site; at S sites it is a function of this one, so equal here means equal there)."""
     rows = max(1, elements // tr._lanes(d, heads)[3])
     return 1 << (rows.bit_length() - 1)
+
+
+@contextlib.contextmanager
+def kernel_settings(values: dict):
+    """The kernels module's attributes ``{name: value}`` set for the duration, then restored."""
+    with mock.patch.multiple(tr, **values):
+        yield
 
 
 def rel(a, b) -> float:
@@ -235,19 +244,14 @@ def main(argv=None):
         for family, configs in dot_configs.items():
             for name, n, sites in dot_shapes if family in families else ():
                 data = make(M, d, n, sites, 8, seed=n)
-                saved = {k: getattr(tr, k) for k in ("DOT_STATS", "DOT_SOURCES", "DOT_SOURCES_PADDED", "DOT_MAX_HEAD_WIDTH", "DOT_TILE_ELEMENTS", "WARPS")}
-                for k, v in vector.items():
-                    setattr(tr, k, v)
-                _, bwd = runner(*data, 8)
-                ref_grads = [g.clone() for g in bwd()]
+                with kernel_settings(vector):
+                    _, bwd = runner(*data, 8)
+                    ref_grads = [g.clone() for g in bwd()]
                 for fields, settings in configs:
-                    for k, v in {**saved, **settings}.items():
-                        setattr(tr, k, v)
-                    row = dict(shape=name.replace("dots", family), **fields)
-                    bench = lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median")  # noqa: E731
-                    emit(check_and_time(row, lambda: runner(*data, 8)[1], ref_grads, bench))
-                for k, v in saved.items():
-                    setattr(tr, k, v)
+                    with kernel_settings(settings):
+                        row = dict(shape=name.replace("dots", family), **fields)
+                        bench = lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median")  # noqa: E731
+                        emit(check_and_time(row, lambda: runner(*data, 8)[1], ref_grads, bench))
                 del data, bwd, ref_grads
                 torch.cuda.empty_cache()
 
@@ -259,19 +263,15 @@ def main(argv=None):
                 data = make(M, d, n, sites, 8, seed=n)
                 fwd, bwd = runner(*data, 8)
                 ref_out, ref_grads = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in bwd()]
-                saved = {k: getattr(tr, k) for k in ("DOT_TILE_ELEMENTS", "WARPS", "DOT_STAGES")}
                 bench = lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median")  # noqa: E731
                 trials = [(kind, f"tile{tr.DOT_TILE_ELEMENTS}", {"WARPS": {kind: warps}, "DOT_STAGES": {kind: stages}}, f"{warps}/s{stages}")
                           for kind in ("fwd_sites_dot", "bwd_stats_dot", "bwd_sources_dot") for warps, stages in itertools.product((2, 4, 8), (1, 2, 3))]
                 trials += [(kind, f"tile{tile}", {"DOT_TILE_ELEMENTS": tile, "WARPS": {}, "DOT_STAGES": {}}, "default")
                            for tile in (2048, 4096, 8192) for kind in ("fwd_sites_dot", "backward")]
                 for kind, elements, settings, warps in trials:
-                    for k, v in {**saved, **settings}.items():
-                        setattr(tr, k, v)
-                    row = dict(shape=name.replace("dots", "dot-tune"), kind=kind, elements=elements, warps=warps)
-                    emit(check_pass(row, kind == "fwd_sites_dot", fwd, data, 8, ref_out, ref_grads, bench))
-                for k, v in saved.items():
-                    setattr(tr, k, v)
+                    with kernel_settings(settings):
+                        row = dict(shape=name.replace("dots", "dot-tune"), kind=kind, elements=elements, warps=warps)
+                        emit(check_pass(row, kind == "fwd_sites_dot", fwd, data, 8, ref_out, ref_grads, bench))
                 del data, fwd, bwd, ref_out, ref_grads
                 torch.cuda.empty_cache()
 
@@ -282,29 +282,23 @@ def main(argv=None):
         # of the three tensor-core kernels, and the package's defaults; forward and the whole
         # backward timed apart, each checked against the vector kernels' result
         if "wide" in families:
-            keys = ("DOT_FWD", "DOT_STATS", "DOT_SOURCES", "DOT_MAX_SOURCES", "DOT_MAX_SOURCES_ONE_SITE", "DOT_SOURCES_CHUNK", "WARPS")
-            saved = {k: getattr(tr, k) for k in keys}
             wide_settings = [("vector", dict(DOT_FWD=False, DOT_STATS=False, DOT_SOURCES=False, WARPS={}))] + [
                 (f"dots128-w{w or 'default'}", dict(DOT_FWD=True, DOT_STATS=True, DOT_SOURCES=True, DOT_MAX_SOURCES=128, DOT_MAX_SOURCES_ONE_SITE=128,
                                                     DOT_SOURCES_CHUNK=128,
                                                     WARPS={k: w for k in ("fwd_sites_dot", "bwd_stats_dot", "bwd_sources_dot")} if w else {}))
                 for w in (0, 2, 4, 8)
-            ] + [("package-defaults", saved)]
+            ] + [("package-defaults", {})]
             for n, sites in ((2 * layers - 7, 8), (2 * layers + 1, 1)):
                 data = make(M, d, n, sites, 8, seed=n)
-                for k, v in {**saved, **wide_settings[0][1]}.items():
-                    setattr(tr, k, v)
-                fwd, bwd = runner(*data, 8)
-                ref_out, ref_grads = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in bwd()]
+                with kernel_settings(wide_settings[0][1]):
+                    fwd, bwd = runner(*data, 8)
+                    ref_out, ref_grads = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in bwd()]
                 bench = lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median")  # noqa: E731
                 for label, settings in wide_settings:
-                    for k, v in {**saved, **settings}.items():
-                        setattr(tr, k, v)
-                    for kind in ("fwd", "backward"):
-                        row = dict(shape=f"wide-N{n}-S{sites}-H8", kind=kind, elements=label, warps=tr.WARPS.get("bwd_stats_dot", "default"))
-                        emit(check_pass(row, kind == "fwd", fwd, data, 8, ref_out, ref_grads, bench))
-                for k, v in saved.items():
-                    setattr(tr, k, v)
+                    with kernel_settings(settings):
+                        for kind in ("fwd", "backward"):
+                            row = dict(shape=f"wide-N{n}-S{sites}-H8", kind=kind, elements=label, warps=tr.WARPS.get("bwd_stats_dot", "default"))
+                            emit(check_pass(row, kind == "fwd", fwd, data, 8, ref_out, ref_grads, bench))
                 del data, fwd, bwd, ref_out, ref_grads
                 torch.cuda.empty_cache()
 
@@ -314,7 +308,6 @@ def main(argv=None):
         # SAVED_ROUTED_DTYPE); forward alone and forward + backward in one CUDA graph, each
         # checked against the two-pass result
         if "saved-r" in families:
-            saved = {k: getattr(tr, k) for k in ("SAVE_ROUTED", "SAVED_ROUTED_DTYPE", "SAVE_ROUTED_MIN_SOURCES")}
             settings = [("two-pass", dict(SAVE_ROUTED=False)),
                         ("r-float32", dict(SAVE_ROUTED=True, SAVED_ROUTED_DTYPE=torch.float32, SAVE_ROUTED_MIN_SOURCES=1)),
                         ("r-bf16", dict(SAVE_ROUTED=True, SAVED_ROUTED_DTYPE=None, SAVE_ROUTED_MIN_SOURCES=1))]
@@ -323,19 +316,16 @@ def main(argv=None):
                 data = make_merge(M, d, n, 8, False, seed=n)
                 refs = None
                 for label, values in settings:
-                    for k, v in {**saved, **values}.items():
-                        setattr(tr, k, v)
-                    fwd, both = merge_runner(*data, 8)
-                    if refs is None:
-                        refs = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in both()]
-                    for kind in ("merge_fwd", "fwd+bwd"):
-                        row = dict(shape=f"saved-r-N{n}-H8", kind=kind, elements=label, warps="default")
-                        if kind == "merge_fwd":
-                            emit(check_and_time(row, lambda: lambda: fwd()[0], refs[0], bench))
-                        else:
-                            emit(check_and_time(row, lambda: both, refs[1], bench))
-                for k, v in saved.items():
-                    setattr(tr, k, v)
+                    with kernel_settings(values):
+                        fwd, both = merge_runner(*data, 8)
+                        if refs is None:
+                            refs = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in both()]
+                        for kind in ("merge_fwd", "fwd+bwd"):
+                            row = dict(shape=f"saved-r-N{n}-H8", kind=kind, elements=label, warps="default")
+                            if kind == "merge_fwd":
+                                emit(check_and_time(row, lambda: lambda: fwd()[0], refs[0], bench))
+                            else:
+                                emit(check_and_time(row, lambda: both, refs[1], bench))
                 del data, refs
                 torch.cuda.empty_cache()
 
