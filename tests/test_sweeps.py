@@ -350,8 +350,9 @@ def test_debug_sweep_end_to_end(tmp_path, stdlib_corpus, monkeypatch):
 @pytest.mark.slow
 def test_two_commands_and_two_workers_share_a_grid_each_point_exactly_once(tmp_path, stdlib_corpus):
     """`sweep run --workers 2` and a second `sweep run` started at the same moment on one sqlite study."""
-    # 5 points for 3 workers: the single worker of the second command, up first, cannot take them all
-    # while the first command still starts its two workers (it did take 3 on two loaded cores)
+    # 5 points for 3 workers: the single worker of the second command, up first, is unlikely to take
+    # them all while the first command still starts its two workers (it took all of 3 points once on
+    # two cores loaded by other work; 5 were shared in two runs under that load)
     space = [{"residual": ["prenorm"]}, {"residual": ["attnres", "delta"], "heads": [1, 2]}]
     path = write_sweep(tmp_path, stdlib_corpus, "shared", space)
     procs = [cli("sweep", "run", "--config", str(path), "--workers", "2", cwd=tmp_path), cli("sweep", "run", "--config", str(path), cwd=tmp_path)]
