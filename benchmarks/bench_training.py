@@ -115,6 +115,9 @@ KNOBS = {
     "routed-bf16": {(TR, "SAVED_ROUTED_DTYPE"): None},  # ... save r in the sources' dtype (bf16), not float32
     "routed-from-2": {(TR, "SAVE_ROUTED_MIN_SOURCES"): 2},  # ... from 2 sources (the sixteenth set's calls 1-5)
     "routed-all": {(TR, "SAVE_ROUTED_MIN_SOURCES"): 1},  # ... save r at merges of one source too (block routing, a full-routing group's second site)
+    "bwd-2w": {(TR, "TUNED_TILES", ("bwd", 1024, 8)): (2048, 2)},  # the replacement form's merge backward at d = 1024, H = 8 on 2 warps (tune_tiles' best alone; slower in training, seventeenth set)
+    "bwd-4w": {(TR, "TUNED_TILES", ("bwd", 512, 8)): (1024, 4)},  # ... at d = 512, H = 8 on tiles of 1024 elements, 4 warps (tune_tiles' best alone at 100m)
+    **{f"dots-from-{n}": {(TR, "DOT_MIN_SOURCES"): n} for n in (1, 2, 4, 8)},  # phase-one passes over fewer sources on the vector kernels
     "pad-dots": {(TR, "DOT_SPLIT_WIDTH"): False},  # tensor-core kernels pad 1b's head width 160 to 256, pass two on the vector kernel (before the fourteenth set)
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "mfu_measured",

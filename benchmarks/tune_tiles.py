@@ -2,8 +2,8 @@
 
 For each shape (350m unless ``--scale``: phase one of Block AttnRes, S = 2L/8 sites against 8
 completed blocks; one site over N = 9 .. 2L+1 sources; ``merge``: the second phase fused with the
-next RMSNorm, over one newer source (block routing, replacement and additive form) or four (full
-routing)), every configuration of one launch kind (``fwd``, ``bwd_stats``, ``bwd_sources``; for
+next RMSNorm, over one newer source (block routing, replacement and additive form) or four or eight
+(full routing)), every configuration of one launch kind (``fwd``, ``bwd_stats``, ``bwd_sources``; for
 the merges ``merge_fwd`` and ``bwd`` (``bwd_add`` for the additive form), timed replaying a CUDA graph of the calls, forward and
 backward together for ``bwd``: a merge's kernel takes a fraction of a millisecond, less than the
 host needs to launch it) is checked against the package's default configuration
@@ -15,7 +15,7 @@ loop on tensor cores against the vector kernel, by warps and elements per tile,
 (``--shapes passes``) pass one, then both passes, on tensor cores against the vector kernels, and
 (``--shapes dot-tune``) each tensor-core kernel by warps and pipelining stages, then by tile, and
 (``--shapes wide``) passes over more than 64 sources on the vector kernels against tensor-core
-tiles of up to 128 sources, and (``--shapes saved-r``) the fused-norm merge of 1 to 7 sources with
+tiles of up to 128 sources, (``--shapes min-sources``) passes over 1 to 4 sources on either, and (``--shapes saved-r``) the fused-norm merge of 1 to 7 sources with
 its backward in two passes against one pass on the routed value r saved in float32 or bf16.
 
     python benchmarks/tune_tiles.py --scale 350m --out OUT    # writes OUT/tune_tiles.csv
@@ -159,7 +159,7 @@ def main(argv=None):
     ap.add_argument("--scale", choices=list(SCALES), default="350m")
     ap.add_argument("--out", required=True, help="folder of tune_tiles.csv (rows are appended)")
     ap.add_argument("--shapes", default="phase1,full,one-site", help="comma-separated: which shape families to run "
-                    "(phase1, full, op: one site over 9 and 2L+1 sources at H = 1, merge, dots, passes, dot-tune, wide, saved-r, one-site)")
+                    "(phase1, full, op: one site over 9 and 2L+1 sources at H = 1, merge, dots, passes, dot-tune, wide, min-sources, saved-r, one-site)")
     ap.add_argument("--kinds", default="", help="comma-separated launch kinds to vary (fwd, bwd_stats, bwd_sources, merge_fwd, bwd, "
                     "bwd_add: the additive merge's backward); default all")
     args = ap.parse_args(argv)
@@ -182,7 +182,8 @@ def main(argv=None):
         kinds = set(filter(None, args.kinds.split(",")))
         shapes = [(f"phase1-N8-S{S}-H8", 8, S, 8), (f"phase1-N8-S{S}-H1", 8, S, 1), (f"full-N{2 * layers + 1}-S1-H8", 2 * layers + 1, 1, 8),
                   ("op-N9-S1-H1", 9, 1, 1), (f"op-N{2 * layers + 1}-S1-H1", 2 * layers + 1, 1, 1),
-                  ("merge-N1-H8", 1, 1, 8), ("merge-N1-H8-additive", 1, 1, 8), ("merge-N4-H8", 4, 1, 8)]
+                  ("merge-N1-H8", 1, 1, 8), ("merge-N1-H8-additive", 1, 1, 8), ("merge-N4-H8", 4, 1, 8),
+                  ("merge-N8-H8", 8, 1, 8)]
         # the vector kernels' tiles: the tensor-core kernels off while these families run
         vector_only = {k: getattr(tr, k) for k in ("DOT_FWD", "DOT_STATS", "DOT_SOURCES")}
         for name, n, sites, heads in shapes:
@@ -298,6 +299,25 @@ def main(argv=None):
                     with kernel_settings(settings):
                         for kind in ("fwd", "backward"):
                             row = dict(shape=f"wide-N{n}-S{sites}-H8", kind=kind, elements=label, warps=tr.WARPS.get("bwd_stats_dot", "default"))
+                            emit(check_pass(row, kind == "fwd", fwd, data, 8, ref_out, ref_grads, bench))
+                del data, fwd, bwd, ref_out, ref_grads
+                torch.cuda.empty_cache()
+
+        # "min-sources": phase-one passes over few sources (full routing's first group over the
+        # embedding alone, 12 sites; block routing's first blocks, S sites), H = 8, on the
+        # tensor-core kernels against the vector kernels (DOT_MIN_SOURCES); forward and the whole
+        # backward timed apart, each checked against the vector kernels' result
+        if "min-sources" in families:
+            for n, sites in ((1, 12), (2, 12), (1, S), (2, S), (4, S)):
+                data = make(M, d, n, sites, 8, seed=n)
+                with kernel_settings(dict(DOT_MIN_SOURCES=n + 1)):
+                    fwd, bwd = runner(*data, 8)
+                    ref_out, ref_grads = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in bwd()]
+                bench = lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median")  # noqa: E731
+                for label, settings in (("vector", dict(DOT_MIN_SOURCES=n + 1)), ("dots", dict(DOT_MIN_SOURCES=1))):
+                    with kernel_settings(settings):
+                        for kind in ("fwd", "backward"):
+                            row = dict(shape=f"min-sources-N{n}-S{sites}-H8", kind=kind, elements=label, warps="default")
                             emit(check_pass(row, kind == "fwd", fwd, data, 8, ref_out, ref_grads, bench))
                 del data, fwd, bwd, ref_out, ref_grads
                 torch.cuda.empty_cache()

@@ -295,6 +295,14 @@ DOT_SOURCES = True
 # Benchmark knobs (``vector-fwd``, ``fwd-at-64``).
 DOT_FWD = True
 DOT_FWD_MIN_HEAD_WIDTH = 128
+# Sources a phase-one pass needs for the tensor-core kernels (forward and both backward passes); a
+# pass over fewer (full routing's first group, over the embedding alone; block routing's first two
+# blocks) runs on the vector kernels, whose tiles are not padded to 16 sources. Measured on an H200
+# (``tune_tiles.py --shapes min-sources``, H = 8, bf16, forward + whole backward, ms; BENCHMARKS.md,
+# seventeenth set): 12 sites over 1 / 2 sources 1.31 / 2.39 on the vector kernels against 2.12 /
+# 2.98 at 350m, 1.67 / 3.48 against 4.80 / 5.64 at 1b; block routing's 6 sites at 350m over 1 / 2 /
+# 4 sources 1.06 / 1.24 / 1.98 against 1.62 / 1.57 / 1.64. A benchmark knob (``dots-from-<n>``).
+DOT_MIN_SOURCES = 3
 # Sites a pass needs for its forward to run there: phase-one passes (one site over many sources
 # keeps the vector forward; not measured there).
 DOT_FWD_MIN_SITES = 2
@@ -1968,13 +1976,13 @@ def _backward(
 def _stats_on_dots(n_sites: int, n_src: int, d: int, heads: int, gate: Optional[Tensor], has_rstd: bool, dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
     """Whether pass one of the site loop runs on tensor cores (``_route_bwd_stats_dot``): ``DOT_STATS``,
     the replacement form with the key rstd saved, at most ``DOT_MAX_SITES`` sites and
-    ``DOT_MAX_SOURCES`` sources (one tile; ``DOT_MAX_SOURCES_ONE_SITE`` for one site), a head width from ``DOT_MIN_HEAD_WIDTH`` to
+    ``DOT_MIN_SOURCES`` to ``DOT_MAX_SOURCES`` sources (one tile; ``DOT_MAX_SOURCES_ONE_SITE`` for one site), a head width from ``DOT_MIN_HEAD_WIDTH`` to
     ``DOT_MAX_HEAD_WIDTH`` (the kernels hold it as one or two column tiles, ``_dot_lanes``), bf16 sources and
     gradients (float32 would multiply on the vector units anyway)."""
     dh = d // heads
     return (
         DOT_STATS and gate is None and has_rstd and n_sites <= DOT_MAX_SITES
-        and n_src <= (DOT_MAX_SOURCES if n_sites > 1 else DOT_MAX_SOURCES_ONE_SITE)
+        and DOT_MIN_SOURCES <= n_src <= (DOT_MAX_SOURCES if n_sites > 1 else DOT_MAX_SOURCES_ONE_SITE)
         and DOT_MIN_HEAD_WIDTH <= dh <= DOT_MAX_HEAD_WIDTH and dtype == torch.bfloat16 and grad_dtype == dtype
     )
 
@@ -1985,11 +1993,11 @@ def _fwd_on_dots(
 ) -> bool:
     """Whether a forward runs on tensor cores (``_route_fwd_sites_dot``): ``DOT_FWD``, a phase-one
     pass (at least ``DOT_FWD_MIN_SITES`` sites, the replacement form, no prior, no fused norm, no
-    stored scores) over at most ``DOT_MAX_SITES`` sites and ``DOT_MAX_SOURCES`` sources, bf16
+    stored scores) over at most ``DOT_MAX_SITES`` sites and ``DOT_MIN_SOURCES`` to ``DOT_MAX_SOURCES`` sources, bf16
     sources, and a head width from ``DOT_FWD_MIN_HEAD_WIDTH`` to ``DOT_MAX_HEAD_WIDTH``."""
     dh = d // heads
     return (
-        DOT_FWD and DOT_FWD_MIN_SITES <= n_sites <= DOT_MAX_SITES and 0 < n_src <= DOT_MAX_SOURCES
+        DOT_FWD and DOT_FWD_MIN_SITES <= n_sites <= DOT_MAX_SITES and max(1, DOT_MIN_SOURCES) <= n_src <= DOT_MAX_SOURCES
         and stream is None and prior_out is None and not store_scores and norm_weight is None
         and DOT_FWD_MIN_HEAD_WIDTH <= dh <= DOT_MAX_HEAD_WIDTH and dtype == torch.bfloat16
     )

@@ -317,6 +317,7 @@ def site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens
     monkeypatch.setattr(tr, "DOT_FWD", on_dots)
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)  # small widths here, 128 and up in training
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
     monkeypatch.setattr(tr, "DOT_MAX_HEAD_WIDTH", 256)
     monkeypatch.setattr(tr, "DOT_SOURCES", pass_two)
     ran = []
@@ -387,6 +388,7 @@ def test_pass_one_on_tensor_cores_stores_what_the_vector_kernel_stores(monkeypat
     the vector kernel's, with and without an lse gradient."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
     monkeypatch.setattr(tr, "DOT_SOURCES", False)
     kernel = tr._kernel
     seen = {}
@@ -420,6 +422,7 @@ def test_site_loop_on_tensor_cores_is_deterministic(monkeypatch, pass_two):
     bit-identical gradients in two runs, over a grid where programs stride over several tiles."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
     monkeypatch.setattr(tr, "DOT_SOURCES", pass_two)
     runs = [site_loop_on_tensor_cores_vs_float64(monkeypatch, 9, 3, 4, 64, 45, torch.bfloat16, pass_two=pass_two)[2] for _ in range(2)]
     assert tr._dot_tile(3, 9, 16)[2] * 2 < 45  # two programs (the interpreter's grid), several tiles each
@@ -435,6 +438,7 @@ def test_site_loop_on_tensor_cores_keeps_a_non_finite_value_to_its_token(monkeyp
     with where, not multiplied by a zero weight), with pass one or both passes on tensor cores."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
     monkeypatch.setattr(tr, "DOT_SOURCES", pass_two)
     g = torch.Generator().manual_seed(8)
     srcs = [torch.randn(16, 32, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
@@ -535,6 +539,7 @@ def test_pass_two_on_tensor_cores_adds_into_sink_slots_and_only_there(monkeypatc
     monkeypatch.setattr(tr, "DOT_SOURCES_CHUNK", chunk)
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
     launched = spy_launches(monkeypatch)
     d, tokens = 96, 13
     assert (tr._dot_lanes(d // heads)[1] > 0) == (heads == 2)
@@ -573,6 +578,7 @@ def test_pass_two_on_tensor_cores_adds_into_the_gradient_sink(monkeypatch):
     tensor cores as with the vector kernels."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
     launched = spy_launches(monkeypatch)
     model = tiny_model("attnres", 2, 2, n_layer=3).to(torch.bfloat16)
     idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -610,6 +616,7 @@ def test_phase_one_forward_on_tensor_cores_matches_float64_reference(monkeypatch
     scale too."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
     monkeypatch.setattr(tr, "DOT_MAX_HEAD_WIDTH", 256)
     launched = spy_launches(monkeypatch)
     g = torch.Generator().manual_seed(200 + n + sites + d)
@@ -648,6 +655,7 @@ def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token
     head width 48 (two column tiles) with the inf in the second."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
     monkeypatch.setattr(tr, "POISON_OUTPUTS", False)
     launched = spy_launches(monkeypatch)
     g = torch.Generator().manual_seed(9)
@@ -667,7 +675,7 @@ def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token
 
 def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     """The tensor-core kernel takes the replacement form with the key rstd saved, at most 16 sites and
-    128 sources (64 for a single site), a head width from 128 to 160 (DOT_MIN_HEAD_WIDTH and DOT_MAX_HEAD_WIDTH; 64 was slower
+    3 to 128 sources (at most 64 for a single site), a head width from 128 to 160 (DOT_MIN_HEAD_WIDTH and DOT_MAX_HEAD_WIDTH; 64 was slower
     in training), bf16; anything else keeps the vector kernel. Pass two takes widths held without
     padding only (a power of two, or two column tiles: ``_dot_lanes``). Its tiles hold at least 16 rows of each
     operand, about DOT_TILE_ELEMENTS elements of the padded head width and at most DOT_MAX_ROWS rows."""
@@ -686,6 +694,12 @@ def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     # tiles of up to 128 sources for passes of several sites; a single site keeps the vector kernels past 64
     assert tr._stats_on_dots(**{**ok, "n_src": 128}) and tr._fwd_on_dots(**{**fwd, "n_src": 128})
     assert tr._stats_on_dots(**{**ok, "n_src": 64, "n_sites": 1}) and not tr._stats_on_dots(**{**ok, "n_src": 65, "n_sites": 1})
+    # passes over fewer than DOT_MIN_SOURCES = 3 sources (full routing's first group, block routing's
+    # first two blocks) on the vector kernels, forward and backward
+    assert tr.DOT_MIN_SOURCES == 3
+    for n in (1, 2):
+        assert not tr._stats_on_dots(**{**ok, "n_src": n}) and not tr._fwd_on_dots(**{**fwd, "n_src": n}), n
+    assert tr._stats_on_dots(**{**ok, "n_src": 3}) and tr._fwd_on_dots(**{**fwd, "n_src": 3})
     # one-token tiles of more than 64 sources on DOT_WARPS_ONE_TOKEN_WIDE warps
     assert [tr._dot_launch("fwd_sites_dot", bm, bn)["num_warps"] for bm, bn in ((1, 64), (1, 128), (2, 64))] == [2, 4, tr.DOT_WARPS]
     for change in (
