@@ -115,8 +115,9 @@ KNOBS = {
     "routed-bf16": {(TR, "SAVED_ROUTED_DTYPE"): None},  # ... save r in the sources' dtype (bf16), not float32
     "routed-from-2": {(TR, "SAVE_ROUTED_MIN_SOURCES"): 2},  # ... from 2 sources (the sixteenth set's calls 1-5)
     "routed-all": {(TR, "SAVE_ROUTED_MIN_SOURCES"): 1},  # ... save r at merges of one source too (block routing, a full-routing group's second site)
-    "bwd-2w": {(TR, "TUNED_TILES", ("bwd", 1024, 8)): (2048, 2)},  # the replacement form's merge backward at d = 1024, H = 8 on 2 warps (tune_tiles' best alone; slower in training, seventeenth set)
-    "bwd-4w": {(TR, "TUNED_TILES", ("bwd", 512, 8)): (1024, 4)},  # ... at d = 512, H = 8 on tiles of 1024 elements, 4 warps (tune_tiles' best alone at 100m)
+    "bwd-2w": {(TR, "TUNED_TILES", ("bwd", 1024, 8)): (2048, 2)},  # the replacement form's merge backward at d = 1024, H = 8 on 2 warps (tune_tiles' best at 8 sources, within 1% at 4; at one source (512, 1) was faster; slower in training, seventeenth set)
+    "bwd-4w": {(TR, "TUNED_TILES", ("bwd", 512, 8)): (1024, 4)},  # ... at d = 512, H = 8 on tiles of 1024 elements, 4 warps (tune_tiles' best at 100m at 4 and 8 sources; at one source (512, 1) was faster)
+    "one-site-vector": {(TR, "DOT_MAX_SOURCES_ONE_SITE"): 0},  # a single site's backward (full routing's final site) on the vector kernels at any width
     **{f"dots-from-{n}": {(TR, "DOT_MIN_SOURCES"): n} for n in (1, 2, 4, 8)},  # phase-one passes over fewer sources on the vector kernels
     "pad-dots": {(TR, "DOT_SPLIT_WIDTH"): False},  # tensor-core kernels pad 1b's head width 160 to 256, pass two on the vector kernel (before the fourteenth set)
 }

@@ -295,17 +295,19 @@ DOT_SOURCES = True
 # Benchmark knobs (``vector-fwd``, ``fwd-at-64``).
 DOT_FWD = True
 DOT_FWD_MIN_HEAD_WIDTH = 128
-# Sources a phase-one pass needs for the tensor-core kernels (forward and both backward passes); a
-# pass over fewer (full routing's first group, over the embedding alone; block routing's first two
-# blocks) runs on the vector kernels, whose tiles are not padded to 16 sources. Measured on an H200
-# (``tune_tiles.py --shapes min-sources``, H = 8, bf16, forward + whole backward, ms; BENCHMARKS.md,
-# seventeenth set): 12 sites over 1 / 2 sources 1.31 / 2.39 on the vector kernels against 2.12 /
-# 2.98 at 350m, 1.67 / 3.48 against 4.80 / 5.64 at 1b; block routing's 6 sites at 350m over 1 / 2 /
-# 4 sources 1.06 / 1.24 / 1.98 against 1.62 / 1.57 / 1.64. A benchmark knob (``dots-from-<n>``).
-DOT_MIN_SOURCES = 3
 # Sites a pass needs for its forward to run there: phase-one passes (one site over many sources
 # keeps the vector forward; not measured there).
 DOT_FWD_MIN_SITES = 2
+# Sources a phase-one pass needs for the tensor-core kernels (forward and both backward passes); a
+# pass over fewer (full routing's first group, over the embedding alone; block routing's first two
+# blocks) runs on the vector kernels, which hold a token's sources unpadded where a tensor-core tile
+# pads them to 16 // BM rows per token (16 rows a tile) and its sites to a power of two. Measured on an
+# H200 (``tune_tiles.py --shapes min-sources``, H = 8, bf16, forward + whole backward, ms;
+# BENCHMARKS.md, seventeenth set): 12 sites over 1 / 2 sources 1.31 / 2.39 on the vector kernels
+# against 2.12 / 2.98 at 350m, 1.67 / 3.48 against 4.80 / 5.64 at 1b; block routing's 6 sites at
+# 350m over 1 / 2 / 4 sources 1.06 / 1.24 / 1.98 against 1.62 / 1.57 / 1.64 (not measured at 3; at
+# 1b 9 sites over 4 sources 5.19 against 5.68). A benchmark knob (``dots-from-<n>``).
+DOT_MIN_SOURCES = 3
 # Tokens per program in the interpreter, where larger tiles only mean fewer, faster numpy calls.
 INTERPRET_ROWS = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -1982,7 +1984,7 @@ def _stats_on_dots(n_sites: int, n_src: int, d: int, heads: int, gate: Optional[
     dh = d // heads
     return (
         DOT_STATS and gate is None and has_rstd and n_sites <= DOT_MAX_SITES
-        and DOT_MIN_SOURCES <= n_src <= (DOT_MAX_SOURCES if n_sites > 1 else DOT_MAX_SOURCES_ONE_SITE)
+        and max(1, DOT_MIN_SOURCES) <= n_src <= (DOT_MAX_SOURCES if n_sites > 1 else DOT_MAX_SOURCES_ONE_SITE)
         and DOT_MIN_HEAD_WIDTH <= dh <= DOT_MAX_HEAD_WIDTH and dtype == torch.bfloat16 and grad_dtype == dtype
     )
 
@@ -2086,7 +2088,7 @@ def _backward_site_loop(
     gradient is then an empty tensor).
 
     Where ``_stats_on_dots`` holds (bf16, the replacement form, ``rstd`` given, head width 128 to
-    160), pass one is ``_route_bwd_stats_dot`` (tensor cores; one program per head and range of
+    160, ``DOT_MIN_SOURCES`` to ``DOT_MAX_SOURCES`` sources), pass one is ``_route_bwd_stats_dot`` (tensor cores; one program per head and range of
     tiles of ``_dot_tile`` tokens), and where ``_sources_on_dots`` holds too (an unpadded head width)
     pass two is ``_route_bwd_sources_dot``, which
     recomputes the scores and takes the key norm's term as per-head shares pass one wrote

@@ -317,7 +317,7 @@ def site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens
     monkeypatch.setattr(tr, "DOT_FWD", on_dots)
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)  # small widths here, 128 and up in training
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
-    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
+    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the tensor-core kernels over one and two sources too (not in training)
     monkeypatch.setattr(tr, "DOT_MAX_HEAD_WIDTH", 256)
     monkeypatch.setattr(tr, "DOT_SOURCES", pass_two)
     ran = []
@@ -388,7 +388,6 @@ def test_pass_one_on_tensor_cores_stores_what_the_vector_kernel_stores(monkeypat
     the vector kernel's, with and without an lse gradient."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
-    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
     monkeypatch.setattr(tr, "DOT_SOURCES", False)
     kernel = tr._kernel
     seen = {}
@@ -422,7 +421,6 @@ def test_site_loop_on_tensor_cores_is_deterministic(monkeypatch, pass_two):
     bit-identical gradients in two runs, over a grid where programs stride over several tiles."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
-    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
     monkeypatch.setattr(tr, "DOT_SOURCES", pass_two)
     runs = [site_loop_on_tensor_cores_vs_float64(monkeypatch, 9, 3, 4, 64, 45, torch.bfloat16, pass_two=pass_two)[2] for _ in range(2)]
     assert tr._dot_tile(3, 9, 16)[2] * 2 < 45  # two programs (the interpreter's grid), several tiles each
@@ -438,7 +436,6 @@ def test_site_loop_on_tensor_cores_keeps_a_non_finite_value_to_its_token(monkeyp
     with where, not multiplied by a zero weight), with pass one or both passes on tensor cores."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
-    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
     monkeypatch.setattr(tr, "DOT_SOURCES", pass_two)
     g = torch.Generator().manual_seed(8)
     srcs = [torch.randn(16, 32, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
@@ -539,7 +536,7 @@ def test_pass_two_on_tensor_cores_adds_into_sink_slots_and_only_there(monkeypatc
     monkeypatch.setattr(tr, "DOT_SOURCES_CHUNK", chunk)
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
-    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
+    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the tensor-core kernels over one and two sources too (not in training)
     launched = spy_launches(monkeypatch)
     d, tokens = 96, 13
     assert (tr._dot_lanes(d // heads)[1] > 0) == (heads == 2)
@@ -578,7 +575,7 @@ def test_pass_two_on_tensor_cores_adds_into_the_gradient_sink(monkeypatch):
     tensor cores as with the vector kernels."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
-    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
+    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the tensor-core kernels over one and two sources too (not in training)
     launched = spy_launches(monkeypatch)
     model = tiny_model("attnres", 2, 2, n_layer=3).to(torch.bfloat16)
     idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -616,7 +613,7 @@ def test_phase_one_forward_on_tensor_cores_matches_float64_reference(monkeypatch
     scale too."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
-    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
+    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the tensor-core kernels over one and two sources too (not in training)
     monkeypatch.setattr(tr, "DOT_MAX_HEAD_WIDTH", 256)
     launched = spy_launches(monkeypatch)
     g = torch.Generator().manual_seed(200 + n + sites + d)
@@ -655,7 +652,6 @@ def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token
     head width 48 (two column tiles) with the inf in the second."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
-    monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the kernels over one and two sources too (vector ones in training)
     monkeypatch.setattr(tr, "POISON_OUTPUTS", False)
     launched = spy_launches(monkeypatch)
     g = torch.Generator().manual_seed(9)
@@ -671,6 +667,26 @@ def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token
         assert not torch.isfinite(outs[k][5]).all()
         others = torch.cat([outs[k][:5], outs[k][6:]])
         assert torch.equal(others, torch.cat([clean[k][:5], clean[k][6:]]))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_phase_one_over_fewer_than_three_sources_launches_the_vector_kernels(monkeypatch, n):
+    """With the package's DOT_MIN_SOURCES (3), a phase-one pass over one or two sources (full
+    routing's first group, block routing's first two blocks) launches the vector kernels forward
+    and backward, one over three sources the tensor-core ones (head widths lowered to the test's)."""
+    monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
+    launched = spy_launches(monkeypatch)
+    g = torch.Generator().manual_seed(n)
+    srcs = [torch.randn(9, 32, generator=g).to(DEVICE, torch.bfloat16).requires_grad_() for _ in range(n)]
+    queries = (0.3 * torch.randn(3, 32, generator=g)).to(DEVICE).requires_grad_()
+    gains = torch.ones(3, 32, device=DEVICE, requires_grad=True)
+    with use_backend("triton"):
+        outs, lse = tr.route_sites(srcs, queries, gains, 2)
+        torch.autograd.grad([*outs, lse], [*srcs, queries, gains], [torch.ones_like(o) for o in outs] + [torch.ones_like(lse)])
+    dots = n >= tr.DOT_MIN_SOURCES
+    assert ("fwd_sites_dot" in launched) == dots and ("fwd" in launched) != dots, launched
+    assert ("bwd_stats_dot" in launched) == dots and ("bwd_stats" in launched) != dots, launched
 
 
 def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
