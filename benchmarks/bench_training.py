@@ -50,12 +50,12 @@ VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L su
     # full routing's phase one in groups of 4, 6, 8, 12 or 16 sites (the package: 12 for MHAR, 8 for Delta)
     "mhar-full-H8-g4": dict(residual="attnres", heads=8, block_size=1, full_routing_group=4),
     "mhar-full-H8-g6": dict(residual="attnres", heads=8, block_size=1, full_routing_group=6),
+    "mhar-full-H8-g8": dict(residual="attnres", heads=8, block_size=1, full_routing_group=8),
     "mhar-full-H8-g12": dict(residual="attnres", heads=8, block_size=1, full_routing_group=12),
     "mhar-full-H8-g16": dict(residual="attnres", heads=8, block_size=1, full_routing_group=16),
     "delta-full-H8-persite": dict(residual="delta", heads=8, block_size=1, full_routing_group=1),
     "delta-full-H8-g8": dict(residual="delta", heads=8, block_size=1, full_routing_group=8),
     "delta-full-H8-g12": dict(residual="delta", heads=8, block_size=1, full_routing_group=12),
-    "mhar-full-H8-g8": dict(residual="attnres", heads=8, block_size=1, full_routing_group=8),
     "hyper-dhc-n4": dict(residual="hyper", hc_rate=4, hc_dynamic=True),  # its connections run eagerly, like routing
     # AttnRes (H = 1)
     "attnres-block8": dict(residual="attnres", heads=1, block_size="8blocks"),
@@ -118,7 +118,7 @@ KNOBS = {
     "bwd-2w": {(TR, "TUNED_TILES", ("bwd", 1024, 8)): (2048, 2)},  # the replacement form's merge backward at d = 1024, H = 8 on 2 warps (tune_tiles' best at 8 sources, within 1% at 4; at one source (512, 1) was faster; slower in training, seventeenth set)
     "bwd-4w": {(TR, "TUNED_TILES", ("bwd", 512, 8)): (1024, 4)},  # ... at d = 512, H = 8 on tiles of 1024 elements, 4 warps (tune_tiles' best at 100m at 4 and 8 sources; at one source (512, 1) was faster)
     "one-site-vector": {(TR, "DOT_MAX_SOURCES_ONE_SITE"): 0},  # a single site's backward (full routing's final site) on the vector kernels at any width
-    **{f"dots-from-{n}": {(TR, "DOT_MIN_SOURCES"): n} for n in (1, 2, 4, 8)},  # phase-one passes over fewer sources on the vector kernels
+    **{f"dots-from-{n}": {(TR, "DOT_MIN_SOURCES"): n} for n in (1, 2, 4)},  # phase-one passes over fewer than n sources on the vector kernels (the package: 3)
     "pad-dots": {(TR, "DOT_SPLIT_WIDTH"): False},  # tensor-core kernels pad 1b's head width 160 to 256, pass two on the vector kernel (before the fourteenth set)
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "mfu_measured",

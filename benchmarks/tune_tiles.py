@@ -73,8 +73,9 @@ def tokens_per_program(elements: int, d: int, heads: int) -> int:
 
 @contextlib.contextmanager
 def kernel_settings(values: dict):
-    """The kernels module's attributes ``{name: value}`` set for the duration, then restored."""
-    with mock.patch.multiple(tr, **values):
+    """The kernels module's attributes ``{name: value}`` set for the duration, then restored
+    (none: the package's own settings)."""
+    with mock.patch.multiple(tr, **values) if values else contextlib.nullcontext():
         yield
 
 
@@ -105,6 +106,23 @@ def check_pass(row: dict, forward: bool, fwd, data, heads: int, ref_out, ref_gra
     if forward:
         return check_and_time(row, lambda: lambda: fwd()[0], ref_out, bench)
     return check_and_time(row, lambda: runner(*data, heads)[1], ref_grads, bench)
+
+
+def time_pass_settings(emit, shape: str, data, settings: list) -> None:
+    """A phase-one pass on ``data`` (``make``'s, H = 8) under each ``(label, kernel settings)`` of
+    ``settings``: its forward and its whole backward timed apart (median of ``do_bench``), each
+    checked against the result under the first settings; one row each through ``emit``."""
+    with kernel_settings(settings[0][1]):
+        fwd, bwd = runner(*data, 8)
+        ref_out, ref_grads = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in bwd()]
+    bench = lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median")  # noqa: E731
+    for label, values in settings:
+        with kernel_settings(values):
+            for kind in ("fwd", "backward"):
+                row = dict(shape=shape, kind=kind, elements=label, warps=tr.WARPS.get("bwd_stats_dot", "default"))
+                emit(check_pass(row, kind == "fwd", fwd, data, 8, ref_out, ref_grads, bench))
+    del data, fwd, bwd, ref_out, ref_grads
+    torch.cuda.empty_cache()
 
 
 def make(M, d, n, sites, heads, seed=0):
@@ -290,18 +308,7 @@ def main(argv=None):
                 for w in (0, 2, 4, 8)
             ] + [("package-defaults", {})]
             for n, sites in ((2 * layers - 7, 8), (2 * layers + 1, 1)):
-                data = make(M, d, n, sites, 8, seed=n)
-                with kernel_settings(wide_settings[0][1]):
-                    fwd, bwd = runner(*data, 8)
-                    ref_out, ref_grads = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in bwd()]
-                bench = lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median")  # noqa: E731
-                for label, settings in wide_settings:
-                    with kernel_settings(settings):
-                        for kind in ("fwd", "backward"):
-                            row = dict(shape=f"wide-N{n}-S{sites}-H8", kind=kind, elements=label, warps=tr.WARPS.get("bwd_stats_dot", "default"))
-                            emit(check_pass(row, kind == "fwd", fwd, data, 8, ref_out, ref_grads, bench))
-                del data, fwd, bwd, ref_out, ref_grads
-                torch.cuda.empty_cache()
+                time_pass_settings(emit, f"wide-N{n}-S{sites}-H8", make(M, d, n, sites, 8, seed=n), wide_settings)
 
         # "min-sources": phase-one passes over few sources (full routing's first group over the
         # embedding alone, 12 sites; block routing's first blocks, S sites), H = 8, on the
@@ -311,18 +318,8 @@ def main(argv=None):
             emit(dict(shape="min-sources", status=f"skipped: head width {d // 8} takes no tensor-core kernels"))
         elif "min-sources" in families:
             for n, sites in ((1, 12), (2, 12), (1, S), (2, S), (4, S)):
-                data = make(M, d, n, sites, 8, seed=n)
-                with kernel_settings(dict(DOT_MIN_SOURCES=n + 1)):
-                    fwd, bwd = runner(*data, 8)
-                    ref_out, ref_grads = [o.detach().clone() for o in fwd()[0]], [g.clone() for g in bwd()]
-                bench = lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median")  # noqa: E731
-                for label, settings in (("vector", dict(DOT_MIN_SOURCES=n + 1)), ("dots", dict(DOT_MIN_SOURCES=1))):
-                    with kernel_settings(settings):
-                        for kind in ("fwd", "backward"):
-                            row = dict(shape=f"min-sources-N{n}-S{sites}-H8", kind=kind, elements=label, warps="default")
-                            emit(check_pass(row, kind == "fwd", fwd, data, 8, ref_out, ref_grads, bench))
-                del data, fwd, bwd, ref_out, ref_grads
-                torch.cuda.empty_cache()
+                settings = [("vector", dict(DOT_MIN_SOURCES=n + 1)), ("dots", dict(DOT_MIN_SOURCES=1))]
+                time_pass_settings(emit, f"min-sources-N{n}-S{sites}-H8", make(M, d, n, sites, 8, seed=n), settings)
 
         # "saved-r": the replacement form's merge fused with the norm (n newer sources, H = 8) with
         # its backward in two passes over the sources (r recomputed from the prior) against one

@@ -28,8 +28,9 @@ from lit_mhar.kernels import GradientSink, depth_route, merge_route, merge_route
 # groups of 12 since its merges read their sources once (SAVE_ROUTED; r saved from 2 sources in
 # these runs): full MHAR at 350m 0.840 / 0.842 against 0.821 / 0.838 x prenorm in groups of 8, at
 # 1b 0.810 / 0.806 against 0.780 / 0.778, at 100m 0.784 / 0.779 against 0.791 / 0.785 (with r from
-# 3 sources, the default: 0.846 at 350m, 0.811 at 1b; 100m not run). Delta AttnRes keeps groups of
-# 8 (100m 0.699 against 0.713, 1b 0.706 against 0.702). BENCHMARKS.md, sixteenth set.
+# 3 sources, the default: 0.846 at 350m, 0.811 at 1b; at 100m 0.783 / 0.786 in the seventeenth
+# set). Delta AttnRes keeps groups of 8 (100m 0.699 against 0.713, 1b 0.706 against 0.702).
+# BENCHMARKS.md, sixteenth set.
 FULL_ROUTING_GROUP = 12
 FULL_ROUTING_GROUP_ADDITIVE = 8
 
