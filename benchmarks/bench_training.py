@@ -117,7 +117,8 @@ KNOBS = {
     "routed-all": {(TR, "SAVE_ROUTED_MIN_SOURCES"): 1},  # ... save r at merges of one source too (block routing, a full-routing group's second site)
     "bwd-2w": {(TR, "TUNED_TILES", ("bwd", 1024, 8)): (2048, 2)},  # the replacement form's merge backward at d = 1024, H = 8 on 2 warps (tune_tiles' best at 8 sources, within 1% at 4; at one source (512, 1) was faster; slower in training, seventeenth set)
     "bwd-4w": {(TR, "TUNED_TILES", ("bwd", 512, 8)): (1024, 4)},  # ... at d = 512, H = 8 on tiles of 1024 elements, 4 warps (tune_tiles' best at 100m at 4 and 8 sources; at one source (512, 1) was faster)
-    "one-site-vector": {(TR, "DOT_MAX_SOURCES_ONE_SITE"): 0},  # a single site's backward (full routing's final site) on the vector kernels at any width
+    "one-site-dots": {(TR, "DOT_MAX_SOURCES_ONE_SITE"): 64},  # a single site's backward on tensor cores up to 64 sources (before the eighteenth set; the package: vector kernels)
+    "lone-final-site": {("lit_mhar.routing", "JOIN_FINAL_SITE"): False},  # the last routing site in a group of its own, a phase-one pass over every source (before the eighteenth set)
     **{f"dots-from-{n}": {(TR, "DOT_MIN_SOURCES"): n} for n in (1, 2, 4)},  # phase-one passes over fewer than n sources on the vector kernels (the package: 3)
     "pad-dots": {(TR, "DOT_SPLIT_WIDTH"): False},  # tensor-core kernels pad 1b's head width 160 to 256, pass two on the vector kernel (before the fourteenth set)
 }

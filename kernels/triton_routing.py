@@ -242,11 +242,15 @@ DOT_MAX_SITES = 16
 # Sources of one tensor-core tile (all of a token's sources, padded to a power of two). At 64, full
 # routing's last group at 1b (8 sites over 65 sources) ran on the vector kernels, 13.5 ms forward and
 # 39.4 ms backward in a 580 ms step of full MHAR; on tiles of 128 sources its backward took 15.5 ms
-# against 37.1 (``tune_tiles.py --shapes wide``, BENCHMARKS.md, fifteenth set). A single site keeps
-# tiles of at most ``DOT_MAX_SOURCES_ONE_SITE``: its site padded to 16 rows, the final site over 73
-# sources took 10.2 ms backward there against 8.7 on the vector kernels.
+# against 37.1 (``tune_tiles.py --shapes wide``, BENCHMARKS.md, fifteenth set). A single site takes
+# tiles of at most ``DOT_MAX_SOURCES_ONE_SITE`` sources, none by default: its site padded to 16 rows
+# of the tile, one site over 73 sources took 10.2 ms backward at 1b against 8.7 on the vector
+# kernels (fifteenth set), over 49 sources at 350m 6.24 against 3.35 (eighteenth set; H = 8, bf16).
+# In training at 350m, with full routing's final site alone in its group, full MHAR ran at 0.847
+# against 0.839 / 0.841 x prenorm with tiles of up to 64 sources (the former value), Delta full 0.776
+# against 0.766. A benchmark knob (``one-site-dots``).
 DOT_MAX_SOURCES = 128
-DOT_MAX_SOURCES_ONE_SITE = 64
+DOT_MAX_SOURCES_ONE_SITE = 0
 # Pass two on tensor cores (``_route_bwd_sources_dot``) takes at most this many sources per launch:
 # each source's gradient needs only its own scores and pass one's D and t. At 1b, in training, pass
 # two of 8 sites over 65 sources in one tile of 128 took 24.6 ms against 7.9 for 57 sources in a tile
@@ -1978,7 +1982,7 @@ def _backward(
 def _stats_on_dots(n_sites: int, n_src: int, d: int, heads: int, gate: Optional[Tensor], has_rstd: bool, dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
     """Whether pass one of the site loop runs on tensor cores (``_route_bwd_stats_dot``): ``DOT_STATS``,
     the replacement form with the key rstd saved, at most ``DOT_MAX_SITES`` sites and
-    ``DOT_MIN_SOURCES`` to ``DOT_MAX_SOURCES`` sources (one tile; ``DOT_MAX_SOURCES_ONE_SITE`` for one site), a head width from ``DOT_MIN_HEAD_WIDTH`` to
+    ``DOT_MIN_SOURCES`` to ``DOT_MAX_SOURCES`` sources (one tile; at most ``DOT_MAX_SOURCES_ONE_SITE``, none by default, for one site), a head width from ``DOT_MIN_HEAD_WIDTH`` to
     ``DOT_MAX_HEAD_WIDTH`` (the kernels hold it as one or two column tiles, ``_dot_lanes``), bf16 sources and
     gradients (float32 would multiply on the vector units anyway)."""
     dh = d // heads

@@ -33,6 +33,16 @@ from lit_mhar.kernels import GradientSink, depth_route, merge_route, merge_route
 # BENCHMARKS.md, sixteenth set.
 FULL_ROUTING_GROUP = 12
 FULL_ROUTING_GROUP_ADDITIVE = 8
+# The model's last routing site (before the LM head) joins the group before it where it would start
+# a group of its own (2L a multiple of the group size: every preset, in full and block routing): it
+# then merges the group's newer sources with the group's phase one instead of a phase-one pass of
+# one site over every source. At 350m, that pass over 49 sources took 0.96 ms forward and 3.35 ms
+# backward (``tune_tiles.py --shapes wide``, H = 8, bf16, on the vector kernels; BENCHMARKS.md,
+# eighteenth set). A benchmark knob (``lone-final-site``). Only where the group then holds at most
+# JOIN_FINAL_SITE_MAX_SITES sites: the tensor-core kernels take passes of up to 16 sites
+# (``DOT_MAX_SITES``), so a block of 16 keeps them and the final site its own pass.
+JOIN_FINAL_SITE = True
+JOIN_FINAL_SITE_MAX_SITES = 16
 
 # Decoding with full routing: sites per phase-one group of a decode step (BENCHMARKS.md, fourth
 # set; a decode step has no backward, so the training's group sizes do not carry over; a prefill
@@ -101,7 +111,8 @@ class DepthHistory:
     by an online-softmax step with what was added since (the partial block; in full routing the
     sublayer outputs since the group started). A group is a block (Block AttnRes, S > 1) or
     ``FULL_ROUTING_GROUP`` consecutive sites (full routing, S = 1; ``FULL_ROUTING_GROUP_ADDITIVE``
-    in the additive form, whose sites have a gate). The result equals per-site
+    in the additive form, whose sites have a gate); the model's last site, where it would start a
+    group of its own, joins the group before it (``JOIN_FINAL_SITE``). The result equals per-site
     routing over :meth:`sources` up to rounding (float64: to 1e-12).
 
     Args:
@@ -167,7 +178,7 @@ class DepthHistory:
             tracked = self._collect(stream)
         index = self.n_appended
         if REPLAY_STREAM and self._replays():
-            if index % self.group_size == 0:
+            if self._group_first(index) == index:
                 self._replay = (index, tracked, tracked._version)
             elif self._stream_next is None or stream is not self._stream_next[0] or stream._version != self._stream_next[1]:
                 self._replay = None  # not the stream append() made, or changed in place since: no replay until the next group
@@ -207,7 +218,7 @@ class DepthHistory:
             partial = output if self.partial is None else self.partial + output
         self.partial = self._collect(partial)
         self.n_appended += 1
-        if self.n_appended % self.group_size == 0:
+        if self._group_first(self.n_appended) == self.n_appended:
             self._group_outputs = []
         if self.n_appended % self.block_size == 0:
             self.blocks.append(self.partial)
@@ -299,7 +310,7 @@ class DepthHistory:
             return {}
         first, start, start_version = self._replay
         site, tracked, tracked_version = self._stream_site
-        if site != index or stream is not tracked or first != index - index % self.group_size:
+        if site != index or stream is not tracked or first != self._group_first(index):
             return {}
         if stream._version != tracked_version or start._version != start_version:
             return {}
@@ -351,9 +362,23 @@ class DepthHistory:
             view._inter[index] = self._inter.pop(index)
         return view
 
+    def _group_first(self, index: int) -> int:
+        """The first site of site ``index``'s group: groups of ``group_size`` sites from site 0, the
+        model's last site joining the group before it where it would be alone (``JOIN_FINAL_SITE``,
+        up to ``JOIN_FINAL_SITE_MAX_SITES`` sites in the group)."""
+        first = index - index % self.group_size
+        if (
+            JOIN_FINAL_SITE and first == index > 0 and self.sites is not None and index == len(self.sites) - 1
+            and self.group_size < JOIN_FINAL_SITE_MAX_SITES
+        ):
+            return index - self.group_size
+        return first
+
     def _route_group(self, first: int) -> None:
         """Phase one for sites ``first`` .. end of their group: one pass over the complete sources."""
-        last = min(first - first % self.group_size + self.group_size, len(self.sites))
+        last = min(self._group_first(first) + self.group_size, len(self.sites))
+        if self._group_first(len(self.sites) - 1) < last:
+            last = len(self.sites)  # the last site joined this group
         group = self.sites[first:last]
         queries = torch.stack([s.query for s in group])
         gains = torch.stack([s.key_gain for s in group])

@@ -318,6 +318,7 @@ def site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)  # small widths here, 128 and up in training
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the tensor-core kernels over one and two sources too (not in training)
+    monkeypatch.setattr(tr, "DOT_MAX_SOURCES_ONE_SITE", tr.DOT_MAX_SOURCES)  # and for one site (not by default)
     monkeypatch.setattr(tr, "DOT_MAX_HEAD_WIDTH", 256)
     monkeypatch.setattr(tr, "DOT_SOURCES", pass_two)
     ran = []
@@ -691,7 +692,7 @@ def test_phase_one_over_fewer_than_three_sources_launches_the_vector_kernels(mon
 
 def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     """The tensor-core kernel takes the replacement form with the key rstd saved, at most 16 sites and
-    3 to 128 sources (at most 64 for a single site), a head width from 128 to 160 (DOT_MIN_HEAD_WIDTH and DOT_MAX_HEAD_WIDTH; 64 was slower
+    3 to 128 sources (a single site none: ``DOT_MAX_SOURCES_ONE_SITE``), a head width from 128 to 160 (DOT_MIN_HEAD_WIDTH and DOT_MAX_HEAD_WIDTH; 64 was slower
     in training), bf16; anything else keeps the vector kernel. Pass two takes widths held without
     padding only (a power of two, or two column tiles: ``_dot_lanes``). Its tiles hold at least 16 rows of each
     operand, about DOT_TILE_ELEMENTS elements of the padded head width and at most DOT_MAX_ROWS rows."""
@@ -709,7 +710,13 @@ def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     assert tr._fwd_on_dots(**fwd)
     # tiles of up to 128 sources for passes of several sites; a single site keeps the vector kernels past 64
     assert tr._stats_on_dots(**{**ok, "n_src": 128}) and tr._fwd_on_dots(**{**fwd, "n_src": 128})
+    # a single site on the vector kernels (DOT_MAX_SOURCES_ONE_SITE = 0), at any count of sources
+    assert tr.DOT_MAX_SOURCES_ONE_SITE == 0
+    for n in (3, 9, 49, 64, 73):
+        assert not tr._stats_on_dots(**{**ok, "n_src": n, "n_sites": 1}) and tr._stats_on_dots(**{**ok, "n_src": n, "n_sites": 2}), n
+    monkeypatch.setattr(tr, "DOT_MAX_SOURCES_ONE_SITE", 64)
     assert tr._stats_on_dots(**{**ok, "n_src": 64, "n_sites": 1}) and not tr._stats_on_dots(**{**ok, "n_src": 65, "n_sites": 1})
+    monkeypatch.setattr(tr, "DOT_MAX_SOURCES_ONE_SITE", 0)
     # passes over fewer than DOT_MIN_SOURCES = 3 sources (full routing's first group, block routing's
     # first two blocks) on the vector kernels, forward and backward
     assert tr.DOT_MIN_SOURCES == 3
@@ -1417,18 +1424,20 @@ def test_model_stream_sink_matches_autograd(monkeypatch, block_size):
 # float32 with the stream changed before site 4, out of place without the stream sink or in place
 # (sites 4 and 5 not replayed), and with sublayer 3's output in float32 under autocast (site 5's
 # outputs differ in dtype, and from block 2 on the merges cast their bf16 running sums to the
-# float32 of phase one's output: only sites 1, 2 and 4 replayed)
+# float32 of phase one's output: only sites 1, 2 and 4 replayed); blocks of 2, the final site (10)
+# joining the block of sites 8 and 9 (JOIN_FINAL_SITE): sites 1, 3, 5, 7, 9 and 10 replayed
 REPLAY_MODEL_CASES = [
     (1, torch.float32, None, True, 32, 9), (1, torch.bfloat16, None, True, 32, 0), (1, torch.float32, "stream", True, 32, 5),
     (3, "autocast", None, True, 48, 7), (3, torch.float32, "stream", False, 32, 5), (3, torch.float32, "stream-in-place", True, 32, 5),
-    (3, "autocast", "float32-output", True, 32, 3),
+    (3, "autocast", "float32-output", True, 32, 3), (2, torch.float32, None, True, 32, 6),
 ]
 
 
 @pytest.mark.parametrize(
     "block_size,dtype,changed,sink,d_model,fewer", REPLAY_MODEL_CASES,
     ids=["delta-full", "delta-full-bf16", "delta-full-stream-changed", "delta-block-S3-autocast-split-width",
-         "delta-block-S3-stream-changed-no-stream-sink", "delta-block-S3-stream-changed-in-place", "delta-block-S3-autocast-float32-output"],
+         "delta-block-S3-stream-changed-no-stream-sink", "delta-block-S3-stream-changed-in-place", "delta-block-S3-autocast-float32-output",
+         "delta-block-S2-final-site-joins"],
 )
 def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients(monkeypatch, block_size, dtype, changed, sink, d_model, fewer):
     """Delta routing with the stream replayed in the fused norms' backward (REPLAY_STREAM, the
@@ -1697,10 +1706,14 @@ def triton_loss_and_grads(model, idx):
 
 @pytest.mark.parametrize(
     "residual,heads,block_size,n_layer",
-    [("attnres", 2, 1, 3), ("attnres", 4, 3, 3), ("delta", 2, 2, 3), ("delta", 8, 1, 3), ("attnres", 2, 1, 7), ("delta", 4, 1, 5)],
+    [("attnres", 2, 1, 3), ("attnres", 4, 3, 3), ("delta", 2, 2, 3), ("delta", 8, 1, 3), ("attnres", 2, 1, 7), ("delta", 4, 1, 5),
+     ("attnres", 2, 1, 6), ("delta", 2, 1, 4)],
     # more layers: a second group of sites (of 12 in full MHAR, 8 in Delta) whose phase one routes
-    # over 13 (9) sources, where the site-loop backward takes over, and merges of up to 11 (7) sources
-    ids=["full-H2", "block-S3-H4-two-phase", "delta-block-S2-H2-two-phase", "delta-full-H8", "full-H2-15-sources", "delta-full-H4-11-sources"],
+    # over 13 (9) sources, where the site-loop backward takes over, and merges of up to 11 (7) sources;
+    # the last site joining the group before it (JOIN_FINAL_SITE): blocks of 3 and 2 over 6
+    # sublayers, full routing over 13 and 9 sites (merges of 12 and 8 sources)
+    ids=["full-H2", "block-S3-H4-two-phase", "delta-block-S2-H2-two-phase", "delta-full-H8", "full-H2-15-sources", "delta-full-H4-11-sources",
+         "full-H2-13-sites", "delta-full-H2-9-sites"],
 )
 def test_model_on_triton_path_matches_reference_path(residual, heads, block_size, n_layer):
     """Loss and every parameter gradient of the model on the Triton path (two-phase routing, the
@@ -1731,25 +1744,41 @@ def test_model_on_triton_path_matches_reference_path(residual, heads, block_size
         assert err < max(1e-5, 3 * rel_err(grads_ref[name], grads64[name])), f"{name}: {err:.2e}"
 
 
-def test_two_phase_model_calls_route_sites_once_per_block(monkeypatch):
+@pytest.mark.parametrize("join,max_sites", [(True, 16), (False, 16), (True, 3)], ids=["final-site-joins", "lone-final-site", "group-at-the-limit"])
+def test_two_phase_model_calls_route_sites_once_per_block(monkeypatch, join, max_sites):
+    """Phase one runs once per block of sites: 6 sublayers + the final site in blocks of 3 are groups
+    {0, 1, 2} and {3, 4, 5, 6}, the final site joining the block before it (JOIN_FINAL_SITE, the
+    default), or without it, or where a group may hold only 3 sites (JOIN_FINAL_SITE_MAX_SITES),
+    {0, 1, 2}, {3, 4, 5}, {6}."""
     from lit_mhar import routing
 
-    model = tiny_model("attnres", 2, 3, n_layer=3)  # 6 sublayers + final site = blocks {0,1,2}, {3,4,5}, {6}
+    assert routing.JOIN_FINAL_SITE and routing.JOIN_FINAL_SITE_MAX_SITES == 16
+    monkeypatch.setattr(routing, "JOIN_FINAL_SITE", join)
+    monkeypatch.setattr(routing, "JOIN_FINAL_SITE_MAX_SITES", max_sites)
+    model = tiny_model("attnres", 2, 3, n_layer=3)
     calls = []
     original = routing.route_sites
     monkeypatch.setattr(routing, "route_sites", lambda srcs, q, *a, **kw: calls.append((len(srcs), q.shape[0])) or original(srcs, q, *a, **kw))
     with use_backend("triton"):
         model(torch.randint(0, 97, (1, 5)).to(DEVICE))
-    assert calls == [(1, 3), (2, 3), (3, 1)]
+    assert calls == ([(1, 3), (2, 4)] if join and max_sites > 3 else [(1, 3), (2, 3), (3, 1)])
 
 
-@pytest.mark.parametrize("residual,calls_expected", [("attnres", [(1, 12), (13, 3)]), ("delta", [(1, 8), (9, 7)])])
-def test_two_phase_full_routing_calls_route_sites_once_per_group(monkeypatch, residual, calls_expected):
+@pytest.mark.parametrize(
+    "residual,n_layer,join,calls_expected",
+    [("attnres", 7, True, [(1, 12), (13, 3)]), ("delta", 7, True, [(1, 8), (9, 7)]), ("attnres", 6, True, [(1, 13)]),
+     ("attnres", 6, False, [(1, 12), (13, 1)]), ("delta", 4, True, [(1, 9)]), ("delta", 4, False, [(1, 8), (9, 1)])],
+)
+def test_two_phase_full_routing_calls_route_sites_once_per_group(monkeypatch, residual, n_layer, join, calls_expected):
     """Full routing's phase one runs once per group of sites: 12 in the replacement form
-    (FULL_ROUTING_GROUP), 8 in the additive one (FULL_ROUTING_GROUP_ADDITIVE)."""
+    (FULL_ROUTING_GROUP), 8 in the additive one (FULL_ROUTING_GROUP_ADDITIVE); the final site, where
+    it would be alone (2L + 1 sites, 2L a multiple of the group), joins the group before it
+    (JOIN_FINAL_SITE, the default)."""
     from lit_mhar import routing
 
-    model = tiny_model(residual, 2, 1, n_layer=7)  # 14 sublayers + final site
+    assert routing.JOIN_FINAL_SITE
+    monkeypatch.setattr(routing, "JOIN_FINAL_SITE", join)
+    model = tiny_model(residual, 2, 1, n_layer=n_layer)  # 2L sublayers + final site
     calls = []
     original = routing.route_sites
     monkeypatch.setattr(routing, "route_sites", lambda srcs, q, *a, **kw: calls.append((len(srcs), q.shape[0])) or original(srcs, q, *a, **kw))
