@@ -83,7 +83,8 @@ KNOBS = {
     "dot-w2-one-token": {(TR, "DOT_WARPS_ONE_TOKEN"): {"fwd_sites_dot": 2, "bwd_stats_dot": 2, "bwd_sources_dot": 2}},  # 2 warps where a tile holds one token (of at most 64 sources: wider ones take DOT_WARPS_ONE_TOKEN_WIDE)
     "fwd-w4-one-token": {(TR, "DOT_WARPS_ONE_TOKEN"): {"fwd_sites_dot": 4, "bwd_stats_dot": 4, "bwd_sources_dot": 4}},  # the forward's one-token tiles on 4 warps (before the twelfth set)
     "sources-stages3": {(TR, "DOT_STAGES"): {}},  # pass two on tensor cores with Triton's default 3 stages (before the twelfth set)
-    "dots-at-64": {(TR, "DOT_MIN_HEAD_WIDTH"): 64},  # the site loop (both passes since the eleventh set) on tensor cores at head width 64 too (100m)
+    "vector-at-64": {(TR, "DOT_MANY_SITES_MIN_HEAD_WIDTH"): 128},  # the site loop on the vector kernels at head width 64 (100m) whatever the sites (before the eighteenth set)
+    "dots-at-64": {(TR, "DOT_MIN_HEAD_WIDTH"): 64},  # the site loop (both passes since the eleventh set) on tensor cores at head width 64 too (100m), whatever the sites (the package: passes of DOT_MANY_SITES sites or more)
     "dot-sources": {(TR, "DOT_SOURCES"): True},  # pass two on tensor cores too: the default since the eleventh set (BENCHMARKS.md)
     "vector-fwd": {(TR, "DOT_FWD"): False},  # phase one's forward on the vector kernel, not tensor cores
     "fwd-at-64": {(TR, "DOT_FWD_MIN_HEAD_WIDTH"): 64},  # phase one's forward on tensor cores at head width 64 too (100m)

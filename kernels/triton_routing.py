@@ -259,6 +259,14 @@ DOT_MAX_SOURCES_ONE_SITE = 0
 # prenorm against 0.753 in one launch (BENCHMARKS.md, fifteenth set).
 DOT_SOURCES_CHUNK = 64
 DOT_MIN_HEAD_WIDTH = 128
+# ... and from DOT_MANY_SITES_MIN_HEAD_WIDTH (100m's 64) up for passes of at least DOT_MANY_SITES
+# sites (full routing's groups of 12; block routing's blocks at 100m are 3 or 4 sites). Measured on
+# an H200 in training at 100m (BENCHMARKS.md, eighteenth set, one call, tokens/s x prenorm): full
+# MHAR 0.821 with both passes on tensor cores at head width 64 against 0.782 on the vector kernels,
+# block MHAR 0.925 against 0.921 / 0.909 (earlier sets: 0.880 against 0.911, 0.898 against 0.914,
+# so blocks keep the vector kernels). A benchmark knob (``vector-at-64``).
+DOT_MANY_SITES_MIN_HEAD_WIDTH = 64
+DOT_MANY_SITES = 8
 # 1b's 160, padded to 256 (the eleventh set; two column tiles since the fourteenth, ``DOT_SPLIT_WIDTH``):
 # pass one measured faster in training (full MHAR 0.643 against 0.610 x
 # prenorm, block MHAR 0.928 against 0.921), pass two slower there (both passes: full 0.605 against
@@ -1983,13 +1991,15 @@ def _stats_on_dots(n_sites: int, n_src: int, d: int, heads: int, gate: Optional[
     """Whether pass one of the site loop runs on tensor cores (``_route_bwd_stats_dot``): ``DOT_STATS``,
     the replacement form with the key rstd saved, at most ``DOT_MAX_SITES`` sites and
     ``DOT_MIN_SOURCES`` to ``DOT_MAX_SOURCES`` sources (one tile; at most ``DOT_MAX_SOURCES_ONE_SITE``, none by default, for one site), a head width from ``DOT_MIN_HEAD_WIDTH`` to
-    ``DOT_MAX_HEAD_WIDTH`` (the kernels hold it as one or two column tiles, ``_dot_lanes``), bf16 sources and
+    ``DOT_MAX_HEAD_WIDTH`` (from ``DOT_MANY_SITES_MIN_HEAD_WIDTH`` with at least ``DOT_MANY_SITES``
+    sites; the kernels hold it as one or two column tiles, ``_dot_lanes``), bf16 sources and
     gradients (float32 would multiply on the vector units anyway)."""
     dh = d // heads
+    min_width = DOT_MIN_HEAD_WIDTH if n_sites < DOT_MANY_SITES else min(DOT_MIN_HEAD_WIDTH, DOT_MANY_SITES_MIN_HEAD_WIDTH)
     return (
         DOT_STATS and gate is None and has_rstd and n_sites <= DOT_MAX_SITES
         and max(1, DOT_MIN_SOURCES) <= n_src <= (DOT_MAX_SOURCES if n_sites > 1 else DOT_MAX_SOURCES_ONE_SITE)
-        and DOT_MIN_HEAD_WIDTH <= dh <= DOT_MAX_HEAD_WIDTH and dtype == torch.bfloat16 and grad_dtype == dtype
+        and min_width <= dh <= DOT_MAX_HEAD_WIDTH and dtype == torch.bfloat16 and grad_dtype == dtype
     )
 
 

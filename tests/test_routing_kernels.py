@@ -693,13 +693,13 @@ def test_phase_one_over_fewer_than_three_sources_launches_the_vector_kernels(mon
 def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     """The tensor-core kernel takes the replacement form with the key rstd saved, at most 16 sites and
     3 to 128 sources (a single site none: ``DOT_MAX_SOURCES_ONE_SITE``), a head width from 128 to 160 (DOT_MIN_HEAD_WIDTH and DOT_MAX_HEAD_WIDTH; 64 was slower
-    in training), bf16; anything else keeps the vector kernel. Pass two takes widths held without
+    in training for block routing's few sites) or from 64 with 8 sites or more (DOT_MANY_SITES), bf16; anything else keeps the vector kernel. Pass two takes widths held without
     padding only (a power of two, or two column tiles: ``_dot_lanes``). Its tiles hold at least 16 rows of each
     operand, about DOT_TILE_ELEMENTS elements of the padded head width and at most DOT_MAX_ROWS rows."""
     ok = dict(n_sites=8, n_src=41, d=1024, heads=8, gate=None, has_rstd=True, dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
     assert tr._stats_on_dots(**ok)
     for change in (
-        dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(n_src=129), dict(heads=1), dict(d=96, heads=8), dict(d=512, heads=8),
+        dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(n_src=129), dict(heads=1), dict(d=96, heads=8), dict(d=512, heads=8, n_sites=7),
         dict(d=2048), dict(d=64, heads=8), dict(dtype=torch.float16, grad_dtype=torch.float16),
         dict(dtype=torch.float32, grad_dtype=torch.float32), dict(grad_dtype=torch.float32),
     ):
@@ -710,6 +710,14 @@ def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     assert tr._fwd_on_dots(**fwd)
     # tiles of up to 128 sources for passes of several sites; a single site keeps the vector kernels past 64
     assert tr._stats_on_dots(**{**ok, "n_src": 128}) and tr._fwd_on_dots(**{**fwd, "n_src": 128})
+    # head width 64 (100m) for passes of DOT_MANY_SITES = 8 sites or more (full routing's groups), not
+    # fewer (block routing's blocks); without DOT_MANY_SITES_MIN_HEAD_WIDTH, none
+    assert (tr.DOT_MANY_SITES, tr.DOT_MANY_SITES_MIN_HEAD_WIDTH) == (8, 64)
+    assert [tr._stats_on_dots(**{**ok, "d": 512, "n_sites": s}) for s in (3, 4, 7, 8, 12, 13, 16)] == [False] * 3 + [True] * 4
+    assert not tr._stats_on_dots(**{**ok, "d": 256, "n_sites": 12})  # head width 32
+    monkeypatch.setattr(tr, "DOT_MANY_SITES_MIN_HEAD_WIDTH", 128)
+    assert not tr._stats_on_dots(**{**ok, "d": 512, "n_sites": 12}) and tr._stats_on_dots(**{**ok, "n_sites": 3})
+    monkeypatch.setattr(tr, "DOT_MANY_SITES_MIN_HEAD_WIDTH", 64)
     # a single site on the vector kernels (DOT_MAX_SOURCES_ONE_SITE = 0), at any count of sources
     assert tr.DOT_MAX_SOURCES_ONE_SITE == 0
     for n in (3, 9, 49, 64, 73):
