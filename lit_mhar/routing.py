@@ -34,11 +34,14 @@ from lit_mhar.kernels import GradientSink, depth_route, merge_route, merge_route
 FULL_ROUTING_GROUP = 12
 FULL_ROUTING_GROUP_ADDITIVE = 8
 # The model's last routing site (before the LM head) joins the group before it where it would start
-# a group of its own (2L a multiple of the group size: every preset, in full and block routing): it
-# then merges the group's newer sources with the group's phase one instead of a phase-one pass of
-# one site over every source. At 350m, that pass over 49 sources took 0.96 ms forward and 3.35 ms
-# backward (``tune_tiles.py --shapes wide``, H = 8, bf16, on the vector kernels; BENCHMARKS.md,
-# eighteenth set). A benchmark knob (``lone-final-site``). Only where the group then holds at most
+# a group of its own (2L a multiple of the group size: full routing at 100m, 350m and 1b, block
+# routing wherever the blocks divide the 2L sublayers). It is then one more site of that group's
+# phase-one pass and merges the group's newer sources, instead of a pass of one site over every
+# source: at 350m that pass over 49 sources took 0.96 ms forward and 3.35 ms backward on the vector
+# kernels (``tune_tiles.py --shapes wide``, H = 8, bf16). In training on an H200 (x prenorm, same
+# call) full MHAR ran at 0.873 / 0.880 against 0.856 at 350m and 0.829 against 0.812 at 1b, block
+# MHAR at 0.992 against 0.984 (350m) and 0.915 against 0.907 (100m); BENCHMARKS.md, eighteenth
+# set. A benchmark knob (``lone-final-site``). Only where the group then holds at most
 # JOIN_FINAL_SITE_MAX_SITES sites: the tensor-core kernels take passes of up to 16 sites
 # (``DOT_MAX_SITES``), so a block of 16 keeps them and the final site its own pass.
 JOIN_FINAL_SITE = True
