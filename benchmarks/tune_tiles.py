@@ -295,8 +295,9 @@ def main(argv=None):
                 torch.cuda.empty_cache()
 
         # "wide": phase-one passes over more sources than one tensor-core tile held before
-        # (DOT_MAX_SOURCES = 64): full routing's last group in groups of 8 (2L - 7 sources, 8 sites; Delta's) and its final
-        # site (2L + 1 sources), H = 8, on the vector kernels against the tensor-core kernels with
+        # (DOT_MAX_SOURCES = 64): full routing's last group in groups of 8 (2L - 7 sources, 8 sites; Delta's before
+        # the final site joined it, JOIN_FINAL_SITE) and one site over every source (2L + 1: the final site alone, as
+        # it was), H = 8, on the vector kernels against the tensor-core kernels with
         # tiles of up to 128 sources for every pass (one site too, pass two in one launch), by warps
         # of the three tensor-core kernels, and the package's defaults; forward and the whole
         # backward timed apart, each checked against the vector kernels' result
@@ -313,13 +314,16 @@ def main(argv=None):
         # "min-sources": phase-one passes over few sources (full routing's first group over the
         # embedding alone, 12 sites; block routing's first blocks, S sites), H = 8, on the
         # tensor-core kernels against the vector kernels (DOT_MIN_SOURCES); forward and the whole
-        # backward timed apart, each checked against the vector kernels' result
-        if "min-sources" in families and not tr.DOT_MIN_HEAD_WIDTH <= d // 8 <= tr.DOT_MAX_HEAD_WIDTH:
-            emit(dict(shape="min-sources", status=f"skipped: head width {d // 8} takes no tensor-core kernels"))
-        elif "min-sources" in families:
-            for n, sites in ((1, 12), (2, 12), (1, S), (2, S), (4, S)):
-                settings = [("vector", dict(DOT_MIN_SOURCES=n + 1)), ("dots", dict(DOT_MIN_SOURCES=1))]
-                time_pass_settings(emit, f"min-sources-N{n}-S{sites}-H8", make(M, d, n, sites, 8, seed=n), settings)
+        # backward timed apart, each checked against the vector kernels' result; a shape whose
+        # pass the tensor-core kernels do not take at this width (``_stats_on_dots``) is skipped
+        for n, sites in ((1, 12), (2, 12), (1, S), (2, S), (4, S)) if "min-sources" in families else ():
+            with kernel_settings(dict(DOT_MIN_SOURCES=1)):
+                on_dots = tr._stats_on_dots(sites, n, d, 8, None, True, torch.bfloat16, torch.bfloat16)
+            if not on_dots:
+                emit(dict(shape=f"min-sources-N{n}-S{sites}-H8", status=f"skipped: {sites} sites at head width {d // 8} take no tensor-core kernels"))
+                continue
+            settings = [("vector", dict(DOT_MIN_SOURCES=n + 1)), ("dots", dict(DOT_MIN_SOURCES=1))]
+            time_pass_settings(emit, f"min-sources-N{n}-S{sites}-H8", make(M, d, n, sites, 8, seed=n), settings)
 
         # "saved-r": the replacement form's merge fused with the norm (n newer sources, H = 8) with
         # its backward in two passes over the sources (r recomputed from the prior) against one

@@ -260,13 +260,14 @@ DOT_MAX_SOURCES_ONE_SITE = 0
 DOT_SOURCES_CHUNK = 64
 DOT_MIN_HEAD_WIDTH = 128
 # ... and from DOT_MANY_SITES_MIN_HEAD_WIDTH (100m's 64) up for passes of at least DOT_MANY_SITES
-# sites (full routing's groups of 12; block routing's blocks at 100m are 3 or 4 sites). Measured on
-# an H200 in training at 100m (BENCHMARKS.md, eighteenth set, one call, tokens/s x prenorm): full
-# MHAR 0.821 with both passes on tensor cores at head width 64 against 0.782 on the vector kernels,
-# block MHAR 0.925 against 0.921 / 0.909 (earlier sets: 0.880 against 0.911, 0.898 against 0.914,
-# so blocks keep the vector kernels). A benchmark knob (``vector-at-64``).
+# sites: full MHAR's groups of 12 (13 with the final site). Measured on an H200 in training at 100m
+# (BENCHMARKS.md, eighteenth set, tokens/s x prenorm): full MHAR 0.821 / 0.813 with both passes on
+# tensor cores at head width 64 against 0.775 / 0.775 on the vector kernels (one call), block MHAR
+# 0.925 against 0.921 / 0.909 (another; earlier sets: 0.880 against 0.911, 0.898 against 0.914), so
+# blocks of 3 or 4 sites keep the vector kernels; Delta full's groups of 8 (9 with the final site)
+# too, not measured there. A benchmark knob (``vector-at-64``).
 DOT_MANY_SITES_MIN_HEAD_WIDTH = 64
-DOT_MANY_SITES = 8
+DOT_MANY_SITES = 12
 # 1b's 160, padded to 256 (the eleventh set; two column tiles since the fourteenth, ``DOT_SPLIT_WIDTH``):
 # pass one measured faster in training (full MHAR 0.643 against 0.610 x
 # prenorm, block MHAR 0.928 against 0.921), pass two slower there (both passes: full 0.605 against
@@ -2102,7 +2103,7 @@ def _backward_site_loop(
     gradient is then an empty tensor).
 
     Where ``_stats_on_dots`` holds (bf16, the replacement form, ``rstd`` given, head width 128 to
-    160, ``DOT_MIN_SOURCES`` to ``DOT_MAX_SOURCES`` sources), pass one is ``_route_bwd_stats_dot`` (tensor cores; one program per head and range of
+    160 or from 64 with ``DOT_MANY_SITES`` sites, ``DOT_MIN_SOURCES`` to ``DOT_MAX_SOURCES`` sources, two sites or more), pass one is ``_route_bwd_stats_dot`` (tensor cores; one program per head and range of
     tiles of ``_dot_tile`` tokens), and where ``_sources_on_dots`` holds too (an unpadded head width)
     pass two is ``_route_bwd_sources_dot``, which
     recomputes the scores and takes the key norm's term as per-head shares pass one wrote

@@ -39,8 +39,9 @@ FULL_ROUTING_GROUP_ADDITIVE = 8
 # phase-one pass and merges the group's newer sources, instead of a pass of one site over every
 # source: at 350m that pass over 49 sources took 0.96 ms forward and 3.35 ms backward on the vector
 # kernels (``tune_tiles.py --shapes wide``, H = 8, bf16). In training on an H200 (x prenorm, same
-# call) full MHAR ran at 0.873 / 0.880 against 0.856 at 350m and 0.829 against 0.812 at 1b, block
-# MHAR at 0.992 against 0.984 (350m) and 0.915 against 0.907 (100m); BENCHMARKS.md, eighteenth
+# call) full MHAR ran at 0.873 / 0.880 against 0.856 at 350m, 0.829 against 0.812 at 1b and 0.777
+# against 0.776 at 100m, block MHAR at 0.992 against 0.984 (350m) and 0.915 against 0.907 (100m),
+# Delta full at 0.793 against 0.786 (350m); BENCHMARKS.md, eighteenth
 # set. A benchmark knob (``lone-final-site``). Only where the group then holds at most
 # JOIN_FINAL_SITE_MAX_SITES sites: the tensor-core kernels take passes of up to 16 sites
 # (``DOT_MAX_SITES``), so a block of 16 keeps them and the final site its own pass.
@@ -372,7 +373,7 @@ class DepthHistory:
         first = index - index % self.group_size
         if (
             JOIN_FINAL_SITE and first == index > 0 and self.sites is not None and index == len(self.sites) - 1
-            and self.group_size < JOIN_FINAL_SITE_MAX_SITES
+            and 1 < self.group_size < JOIN_FINAL_SITE_MAX_SITES
         ):
             return index - self.group_size
         return first

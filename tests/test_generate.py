@@ -136,9 +136,10 @@ def test_cached_decoding_on_the_fused_kernel_path(residual, block_size, monkeypa
             cached = decode_in_pieces(model, idx, [3, 1, 2], tensor_pos=True)
     torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
     sites = 2 * 2 + 1
-    size = block_size if block_size > 1 else routing.FULL_ROUTING_GROUP
-    groups = -(-sites // size) - ((sites - 1) % size == 0)  # the last site joins the group before it (JOIN_FINAL_SITE)
-    assert routing.JOIN_FINAL_SITE and groups == {2: 2, 4: 1, 1: 1}[block_size]
+    # blocks of 2: groups {0, 1}, {2, 3, 4}, the last site joining the group before it (JOIN_FINAL_SITE);
+    # blocks of 4: {0, 1, 2, 3, 4}; full routing: one group of 5 (FULL_ROUTING_GROUP = 12)
+    assert routing.JOIN_FINAL_SITE and routing.FULL_ROUTING_GROUP == 12
+    groups = {2: 2, 4: 1, 1: 1}[block_size]
     assert [s[1] for s in passes] == [3] * groups, "two-phase prefill: phase one once per block (group of sites)"
     # slots before the newest output, per site: the embedding, then one more per completed block
     expected = [1] + [1 + (l - 1) // block_size for l in range(1, sites)]

@@ -693,13 +693,13 @@ def test_phase_one_over_fewer_than_three_sources_launches_the_vector_kernels(mon
 def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     """The tensor-core kernel takes the replacement form with the key rstd saved, at most 16 sites and
     3 to 128 sources (a single site none: ``DOT_MAX_SOURCES_ONE_SITE``), a head width from 128 to 160 (DOT_MIN_HEAD_WIDTH and DOT_MAX_HEAD_WIDTH; 64 was slower
-    in training for block routing's few sites) or from 64 with 8 sites or more (DOT_MANY_SITES), bf16; anything else keeps the vector kernel. Pass two takes widths held without
+    in training for block routing's few sites) or from 64 with 12 sites or more (DOT_MANY_SITES), bf16; anything else keeps the vector kernel. Pass two takes widths held without
     padding only (a power of two, or two column tiles: ``_dot_lanes``). Its tiles hold at least 16 rows of each
     operand, about DOT_TILE_ELEMENTS elements of the padded head width and at most DOT_MAX_ROWS rows."""
     ok = dict(n_sites=8, n_src=41, d=1024, heads=8, gate=None, has_rstd=True, dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
     assert tr._stats_on_dots(**ok)
     for change in (
-        dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(n_src=129), dict(heads=1), dict(d=96, heads=8), dict(d=512, heads=8, n_sites=7),
+        dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(n_src=129), dict(heads=1), dict(d=96, heads=8), dict(d=512, heads=8, n_sites=11),
         dict(d=2048), dict(d=64, heads=8), dict(dtype=torch.float16, grad_dtype=torch.float16),
         dict(dtype=torch.float32, grad_dtype=torch.float32), dict(grad_dtype=torch.float32),
     ):
@@ -708,12 +708,12 @@ def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     # the forward: phase-one passes of two sites or more, without a prior, stream, norm or stored scores
     fwd = dict(n_sites=8, n_src=41, d=1024, heads=8, stream=None, prior_out=None, store_scores=False, norm_weight=None, dtype=torch.bfloat16)
     assert tr._fwd_on_dots(**fwd)
-    # tiles of up to 128 sources for passes of several sites; a single site keeps the vector kernels past 64
+    # tiles of up to 128 sources for passes of several sites (a single site: below)
     assert tr._stats_on_dots(**{**ok, "n_src": 128}) and tr._fwd_on_dots(**{**fwd, "n_src": 128})
-    # head width 64 (100m) for passes of DOT_MANY_SITES = 8 sites or more (full routing's groups), not
-    # fewer (block routing's blocks); without DOT_MANY_SITES_MIN_HEAD_WIDTH, none
-    assert (tr.DOT_MANY_SITES, tr.DOT_MANY_SITES_MIN_HEAD_WIDTH) == (8, 64)
-    assert [tr._stats_on_dots(**{**ok, "d": 512, "n_sites": s}) for s in (3, 4, 7, 8, 12, 13, 16)] == [False] * 3 + [True] * 4
+    # head width 64 (100m) for passes of DOT_MANY_SITES = 12 sites or more (full MHAR's groups), not
+    # fewer (block routing's blocks, Delta full's groups of 8 or 9); without DOT_MANY_SITES_MIN_HEAD_WIDTH, none
+    assert (tr.DOT_MANY_SITES, tr.DOT_MANY_SITES_MIN_HEAD_WIDTH) == (12, 64)
+    assert [tr._stats_on_dots(**{**ok, "d": 512, "n_sites": s}) for s in (3, 4, 8, 9, 11, 12, 13, 16)] == [False] * 5 + [True] * 3
     assert not tr._stats_on_dots(**{**ok, "d": 256, "n_sites": 12})  # head width 32
     monkeypatch.setattr(tr, "DOT_MANY_SITES_MIN_HEAD_WIDTH", 128)
     assert not tr._stats_on_dots(**{**ok, "d": 512, "n_sites": 12}) and tr._stats_on_dots(**{**ok, "n_sites": 3})
@@ -1447,7 +1447,7 @@ REPLAY_MODEL_CASES = [
          "delta-block-S3-stream-changed-no-stream-sink", "delta-block-S3-stream-changed-in-place", "delta-block-S3-autocast-float32-output",
          "delta-block-S2-final-site-joins"],
 )
-def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients(request, monkeypatch, block_size, dtype, changed, sink, d_model, fewer):
+def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients(monkeypatch, block_size, dtype, changed, sink, d_model, fewer):
     """Delta routing with the stream replayed in the fused norms' backward (REPLAY_STREAM, the
     default) against saved: the same loss and bit-identical gradients, over one graph twice
     (retain_graph); autograd keeps one float32 stream per group of sites (2 for 11 sites in groups
@@ -1456,10 +1456,6 @@ def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients
     site's stream (``fewer``: streams no longer saved)."""
     from lit_mhar import routing
 
-    if CUDA and d_model == 48:  # known, not understood: BENCHMARKS.md, eighteenth set
-        reason = ("on the GPU, at split head widths (12 = 8 + 4 lanes), the replayed stream's gradients differ from the saved "
-                  "stream's by float32 rounding (embed.weight by 1.5e-8 of 0.23); run to run they are identical, and at d = 32 or padded widths bit-identical")
-        request.node.add_marker(pytest.mark.xfail(strict=True, reason=reason))
     monkeypatch.setattr(routing, "SINK_STREAM", sink)
     autocast = dtype == "autocast"
     dtype = torch.float32 if autocast else dtype
@@ -1498,11 +1494,20 @@ def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients
         results[on] = loss.detach(), grads, len(streams)
     (loss_on, grads_on, n_on), (loss_off, grads_off, n_off) = results[True], results[False]
     assert torch.equal(loss_on, loss_off)
+    assert n_off - n_on == fewer
+    differ = []
     for got, want in zip(grads_on, grads_off):
         assert got.keys() == want.keys()
-        for name in want:
-            assert torch.equal(got[name], want[name]), name
-    assert n_off - n_on == fewer
+        differ += [name for name in want if not torch.equal(got[name], want[name])]
+    head_width = d_model // 4
+    if CUDA and tr.SPLIT_WIDTH and head_width & (head_width - 1):  # known, not understood: BENCHMARKS.md, eighteenth set
+        # benchmarks/replay_rounding.py: at d = 48 under bf16 autocast 10 of 91 gradients differ (embed.weight by
+        # 1.5e-8 of 0.23), 82 of 91 in float32; identical run to run, and padded (SPLIT_WIDTH = False) or at d = 32
+        # under autocast bit-identical
+        assert differ, "the replay is bit-identical on the GPU at split head widths now: drop this branch"
+        pytest.xfail(f"on the GPU, at split head widths ({head_width} lanes as two column tiles), the replayed stream's "
+                     f"gradients differ from the saved stream's by float32 rounding: {differ[:3]}")
+    assert not differ, differ
 
 
 def test_activation_checkpointing_keeps_no_more_sublayer_outputs_alive_with_the_replay(monkeypatch):
@@ -1756,12 +1761,14 @@ def test_model_on_triton_path_matches_reference_path(residual, heads, block_size
         assert err < max(1e-5, 3 * rel_err(grads_ref[name], grads64[name])), f"{name}: {err:.2e}"
 
 
-@pytest.mark.parametrize("join,max_sites", [(True, 16), (False, 16), (True, 3)], ids=["final-site-joins", "lone-final-site", "group-at-the-limit"])
+@pytest.mark.parametrize(
+    "join,max_sites", [(True, 16), (False, 16), (True, 4), (True, 3)], ids=["final-site-joins", "lone-final-site", "group-to-the-limit", "group-past-the-limit"]
+)
 def test_two_phase_model_calls_route_sites_once_per_block(monkeypatch, join, max_sites):
     """Phase one runs once per block of sites: 6 sublayers + the final site in blocks of 3 are groups
     {0, 1, 2} and {3, 4, 5, 6}, the final site joining the block before it (JOIN_FINAL_SITE, the
-    default), or without it, or where a group may hold only 3 sites (JOIN_FINAL_SITE_MAX_SITES),
-    {0, 1, 2}, {3, 4, 5}, {6}."""
+    default; also where a group may hold 4 sites, JOIN_FINAL_SITE_MAX_SITES), or without it, or
+    where a group may hold only 3 sites, {0, 1, 2}, {3, 4, 5}, {6}."""
     from lit_mhar import routing
 
     assert routing.JOIN_FINAL_SITE and routing.JOIN_FINAL_SITE_MAX_SITES == 16
