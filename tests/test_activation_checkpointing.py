@@ -93,13 +93,17 @@ def test_checkpointing_gives_the_gradients_of_the_plain_backward(residual, heads
 
 
 @pytest.mark.parametrize(
-    "residual,heads,block_size", [("attnres", 2, 3), ("delta", 2, 1), ("delta", 2, 3)], ids=["block-mhar-two-phase", "delta-full", "delta-block-fused-norm"]
+    "residual,heads,block_size,n_layer",
+    [("attnres", 2, 3, 3), ("delta", 2, 1, 3), ("delta", 2, 3, 3), ("attnres", 2, 1, 6), ("delta", 2, 1, 4)],
+    ids=["block-mhar-two-phase", "delta-full", "delta-block-fused-norm", "full-mhar-13-sites", "delta-full-9-sites"],
 )
-def test_checkpointing_on_the_fused_kernels_recomputes_them_exactly(residual, heads, block_size):
-    """Two-phase block routing's phase one runs outside the recomputed region; everything matches bit for bit."""
+def test_checkpointing_on_the_fused_kernels_recomputes_them_exactly(residual, heads, block_size, n_layer):
+    """Two-phase routing's phase one runs outside the recomputed region; everything matches bit for
+    bit. The final site joins the group before it (JOIN_FINAL_SITE) in blocks of 3 over 6
+    sublayers and in full routing over 13 (groups of 12) and 9 sites (Delta's groups of 8)."""
     with use_backend("triton"):  # Triton's interpreter on CPU, the compiled kernels on a GPU
-        loss, grads = loss_and_grads(*model_and_batch(residual, heads, block_size, False, torch.float32))
-        loss_ckpt, grads_ckpt = loss_and_grads(*model_and_batch(residual, heads, block_size, True, torch.float32))
+        loss, grads = loss_and_grads(*model_and_batch(residual, heads, block_size, False, torch.float32, n_layer=n_layer))
+        loss_ckpt, grads_ckpt = loss_and_grads(*model_and_batch(residual, heads, block_size, True, torch.float32, n_layer=n_layer))
     assert loss_ckpt == loss and grads_ckpt.keys() == grads.keys()
     for name in grads:
         assert torch.equal(grads_ckpt[name], grads[name]), name
