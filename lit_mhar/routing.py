@@ -380,9 +380,8 @@ class DepthHistory:
 
     def _route_group(self, first: int) -> None:
         """Phase one for sites ``first`` .. end of their group: one pass over the complete sources."""
-        last = min(self._group_first(first) + self.group_size, len(self.sites))
-        if self._group_first(len(self.sites) - 1) < last:
-            last = len(self.sites)  # the last site joined this group
+        start, n = self._group_first(first), len(self.sites)
+        last = n if self._group_first(n - 1) == start else min(start + self.group_size, n)  # the model's last site in this group or not
         group = self.sites[first:last]
         queries = torch.stack([s.query for s in group])
         gains = torch.stack([s.key_gain for s in group])
