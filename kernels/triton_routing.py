@@ -190,6 +190,12 @@ SAVE_RSTD = True
 # from the prior and the sources in a first pass; SAVED_ROUTED_DTYPE None: r in the sources' dtype).
 SAVE_ROUTED = True
 SAVE_ROUTED_MIN_SOURCES = 3  # (at 2 sources the merge measured 2-9% faster: not worth 2 bytes per element)
+# ... and in the additive form (Delta AttnRes, full routing: a fused merge of at least
+# SAVE_ROUTED_MIN_SOURCES sources; not block routing's rebuilt running sums): r is stored before
+# the stream and gate enter, the norm's input stream + gate * r is formed again in the backward,
+# where the stream replayed from its group's start (REPLAY_STREAM) takes one pass that only adds
+# the sources to it, without scores. A benchmark knob (``additive-two-pass``: False).
+SAVE_ROUTED_ADDITIVE = True
 SAVED_ROUTED_DTYPE: Optional[torch.dtype] = torch.float32
 # Head widths d/H that are a sum of two powers of two (96 = 64 + 32; 160 = 128 + 32 at 1b with
 # H = 8) are held by the training kernels as two tiles per head instead of one padded to the next
@@ -441,6 +447,10 @@ def _route_fwd(
     if DT > 0:
         routed_t = acc_t / l_i
     tl.store(lse_ptr + s_i.to(tl.int64) * M * H + hm_off, m_i + tl.log(l_i), mask=smask & hmask)
+    if STORE_ROUTED:  # the routed value r as well (fused norm, BS == 1; before the additive form's stream and gate): the backward's one pass (SAVE_ROUTED)
+        tl.store(routed_ptr + x_off, routed.to(routed_ptr.dtype.element_ty), mask=xmask)
+        if DT > 0:
+            tl.store(routed_ptr + x_off_t, routed_t.to(routed_ptr.dtype.element_ty), mask=xmask_t)
     if ADDITIVE:  # Delta AttnRes: out = stream + gate * r (BS == 1)
         routed = (
             tl.load(stream_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
@@ -451,10 +461,6 @@ def _route_fwd(
                 tl.load(stream_ptr + x_off_t, mask=xmask_t, other=0.0).to(tl.float32)
                 + tl.load(gate_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32) * routed_t
             )
-    if STORE_ROUTED:  # the norm's input r as well (replacement form, BS == 1): the backward's one pass (SAVE_ROUTED)
-        tl.store(routed_ptr + x_off, routed.to(routed_ptr.dtype.element_ty), mask=xmask)
-        if DT > 0:
-            tl.store(routed_ptr + x_off_t, routed_t.to(routed_ptr.dtype.element_ty), mask=xmask_t)
     if NORM:  # the next sublayer's RMSNorm over the whole width (BS == 1): y = out * rstd(out) * weight
         sq_n = tl.reduce(tl.reduce(routed * routed, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
         if DT > 0:
@@ -495,10 +501,11 @@ def _route_bwd(
     # the one source is their running sum, rebuilt in both passes and rounded to the sources' dtype
     # after each addition as torch's additions round (bf16: to nearest even, on the bits, since
     # the interpreter's cast truncates), and the stream adds the outputs, not the running sum.
-    # With SAVED_R (fused norm, replacement form, BS == 1) prior_ptr holds the routed value r the
+    # With SAVED_R (fused norm, BS == 1, not REBUILD) prior_ptr holds the routed value r the
     # forward stored (STORE_ROUTED), not the prior: the norm's backward and D = <dr, r>_h need no
-    # pass over the sources, so one pass writes the source gradients, and the prior's lse gradient
-    # p_alpha (<dr, o>_h - D) is formed as D - sum_i alpha_i <dr, v_i>_h - p_alpha D after it.
+    # pass over the sources with scores (with REPLAY, one that only adds them to the stream), so
+    # one pass writes the source gradients, and the prior's lse gradient p_alpha (<dr, o>_h - D)
+    # is formed as D - sum_i alpha_i <dr, v_i>_h - p_alpha D after it.
     # Every lane tensor has a twin ``*_t`` over each head's last DT channels when DT > 0 (see
     # _route_fwd); sums over a head add the two.
     pid = tl.program_id(0)
@@ -566,11 +573,17 @@ def _route_bwd(
             hs = tl.load(stream_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
             if DT > 0:
                 hs_t = tl.load(stream_ptr + x_off_t, mask=hmask, other=0.0).to(tl.float32)
-        if SAVED_R:  # r itself: no pass over the sources before the norm's backward
+        if SAVED_R:  # r itself: no pass over the sources with scores before the norm's backward
             p_alpha = tl.exp(tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0) - lse)
             racc += tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
             if DT > 0:
                 racc_t += tl.load(prior_ptr + x_off_t, mask=hmask, other=0.0).to(tl.float32)
+            if REPLAY:  # the additive form's stream: its group's start plus the sources, in order, as pass one adds them
+                for i in range(n_src):
+                    r_off = tl.multiple_of(tl.load(src_offs + i), ALIGN)
+                    hs = hs + tl.load(src_base + r_off + x_off, mask=xmask, other=0.0).to(tl.float32)
+                    if DT > 0:
+                        hs_t = hs_t + tl.load(src_base + r_off + x_off_t, mask=hmask, other=0.0).to(tl.float32)
         elif HAS_PRIOR:
             po = tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
             p_alpha = tl.exp(tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0) - lse)
@@ -1778,8 +1791,8 @@ def _forward(
     like = sources[0] if sources else prior_out
     if norm_weight is not None and (prior_out is None or queries.shape[0] != 1):
         raise ValueError("triton depth routing: the fused RMSNorm (norm_weight) needs one site with a prior")
-    if save_routed and (norm_weight is None or stream is not None):
-        raise ValueError("triton depth routing: save_routed is for the fused norm's replacement form (norm_weight, no stream)")
+    if save_routed and (norm_weight is None or prior_out is None):
+        raise ValueError("triton depth routing: save_routed is for the fused norm's merges (norm_weight and a prior)")
     shape, d = like.shape, like.shape[-1]
     n_sites, n_src, M = queries.shape[0], len(sources), like.numel() // d
     interpret = like.device.type != "cuda"
@@ -1869,14 +1882,16 @@ def _saves_rstd(sources: Sequence[Tensor], queries: Tensor, gains: Tensor, has_p
 
 def _saves_routed(
     sources: Sequence[Tensor], queries: Tensor, gains: Tensor, stream: Optional[Tensor], prior_out: Optional[Tensor],
-    prior_lse: Optional[Tensor], norm_weight: Optional[Tensor],
+    prior_lse: Optional[Tensor], norm_weight: Optional[Tensor], block_outputs: Optional[Sequence[Tensor]] = None,
 ) -> bool:
     """Whether an eager call's forward writes and saves the routed value r for a one-pass backward
-    (``SAVE_ROUTED``): a merge fused with the norm in the replacement form over at least
-    ``SAVE_ROUTED_MIN_SOURCES`` sources of the prior's dtype, and a backward that will run
-    (gradients on, an input that requires one), so that inference writes no r."""
+    (``SAVE_ROUTED``): a merge fused with the norm over at least ``SAVE_ROUTED_MIN_SOURCES`` sources
+    of the prior's dtype (the additive form with ``SAVE_ROUTED_ADDITIVE``, not where its running
+    sum is rebuilt from ``block_outputs``), and a backward that will run (gradients on, an input
+    that requires one), so that inference writes no r."""
     return (
-        SAVE_ROUTED and norm_weight is not None and stream is None and prior_out is not None
+        SAVE_ROUTED and norm_weight is not None and prior_out is not None
+        and (stream is None or (SAVE_ROUTED_ADDITIVE and block_outputs is None))
         and len(sources) >= max(1, SAVE_ROUTED_MIN_SOURCES) and prior_out.dtype == sources[0].dtype
         and torch.is_grad_enabled()
         and any(t is not None and t.requires_grad for t in (queries, gains, prior_out, prior_lse, norm_weight, *sources))
@@ -1952,8 +1967,8 @@ def _backward(
     if rebuild and not flags["REBUILD"]:
         raise ValueError("triton depth routing: rebuilding a block's running sum needs the fused norm's replayed stream")
     flags["SAVED_R"] = saved_routed
-    if saved_routed and (norm_weight is None or gate is not None or prior_out is None):
-        raise ValueError("triton depth routing: a saved routed value stands for the prior of a fused norm's replacement-form merge")
+    if saved_routed and (norm_weight is None or prior_out is None or flags["REBUILD"]):
+        raise ValueError("triton depth routing: a saved routed value stands for the prior of a fused norm's merge (not a rebuilt block's)")
 
     def args(dw: Tensor, dgate: Tensor, dnw: Tensor) -> tuple:
         return (
@@ -2422,7 +2437,7 @@ def _route(
     (the custom op saves the stream and the sources)."""
     save_rstd = _saves_rstd(sources, queries, gains, prior_out is not None)
     if EAGER_FUNCTION and not torch.compiler.is_compiling():
-        save_routed = _saves_routed(sources, queries, gains, stream, prior_out, prior_lse, norm_weight)
+        save_routed = _saves_routed(sources, queries, gains, stream, prior_out, prior_lse, norm_weight, block_outputs)
         return _RouteFunction.apply(
             heads, eps, store_scores, save_rstd, save_routed, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight,
             stream_start, None if block_outputs is None else tuple(block_outputs), *sources,

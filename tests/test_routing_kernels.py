@@ -888,6 +888,8 @@ MERGE_NORM_CPU = [
     (0, 2, 64, 7, torch.float32, True),
     (2, 8, 160, 37, torch.bfloat16, True),
     (1, 4, 48, 70, torch.float32, True),
+    (3, 2, 96, 37, torch.bfloat16, True),
+    (4, 4, 1000, 9, torch.float32, True),
 ]
 
 
@@ -923,47 +925,87 @@ def merge_norm_side_inputs(g, tokens, d, heads, dtype):
     return prior, prior_lse, query, gain, weight, gate, torch.randn((tokens, d), generator=g).to(DEVICE, dtype)
 
 
-# (sources, heads, d, tokens, dtype): below SAVE_ROUTED_MIN_SOURCES (the prior kept, two passes),
-# at and above it, a split head width (96 = 64 + 32 lanes at H = 1) and a padded one (1000 / 4)
+# (sources, heads, d, tokens, dtype, form): below SAVE_ROUTED_MIN_SOURCES (the prior kept, two
+# passes), at and above it, a split head width (96 = 64 + 32 lanes at H = 1; 48 = 32 + 16) and a
+# padded one (1000 / 4); the additive form with its stream saved, or replayed from its start
 SAVED_ROUTED_CASES = [
-    (1, 4, 64, 37, torch.float32), (2, 4, 64, 37, torch.float32), (5, 1, 96, 70, torch.bfloat16), (3, 4, 1000, 9, torch.bfloat16),
+    (1, 4, 64, 37, torch.float32, "replace"), (2, 4, 64, 37, torch.float32, "replace"), (5, 1, 96, 70, torch.bfloat16, "replace"),
+    (3, 4, 1000, 9, torch.bfloat16, "replace"), (2, 4, 64, 37, torch.float32, "additive"), (3, 2, 96, 70, torch.bfloat16, "additive"),
+    (4, 4, 1000, 9, torch.float32, "additive-replayed"), (5, 4, 48, 37, torch.bfloat16, "additive-replayed"),
 ]
 
 
 @pytest.mark.parametrize(
-    "n,heads,d,tokens,dtype", SAVED_ROUTED_CASES, ids=[f"N{c[0]}-H{c[1]}-d{c[2]}-T{c[3]}-{str(c[4])[6:]}" for c in SAVED_ROUTED_CASES]
+    "n,heads,d,tokens,dtype,form", SAVED_ROUTED_CASES,
+    ids=[f"N{c[0]}-H{c[1]}-d{c[2]}-T{c[3]}-{str(c[4])[6:]}-{c[5]}" for c in SAVED_ROUTED_CASES],
 )
-def test_merge_route_norm_saves_its_routed_value_in_float32_instead_of_the_prior(monkeypatch, n, heads, d, tokens, dtype):
-    """The replacement form's fused merge over at least SAVE_ROUTED_MIN_SOURCES sources keeps the
-    routed value r (the norm's input, float32) for its one-pass backward and not the prior, which
-    the caller may then free; below that it keeps the prior. The output is bit-identical to the
-    two-pass backward's forward, and every gradient equals the two-pass one to float32 rounding
-    (r unrounded: the prior's lse gradient from D - sum_i alpha_i <dr, v_i>_h - p_alpha D)."""
+def test_merge_route_norm_saves_its_routed_value_in_float32_instead_of_the_prior(monkeypatch, n, heads, d, tokens, dtype, form):
+    """A fused merge over at least SAVE_ROUTED_MIN_SOURCES sources keeps the routed value r
+    (float32; the norm's input in the replacement form, stream + gate * r its input in the additive
+    form) for its one-pass backward and not the prior, which the caller may then free; below that
+    it keeps the prior. The output is bit-identical to the two-pass backward's forward, and every
+    gradient equals the two-pass one to float32 rounding (r unrounded: the prior's lse gradient
+    from D - sum_i alpha_i <dr, v_i>_h - p_alpha D). The additive form's stream given as its start
+    (``stream_start``) is rebuilt by adding the sources in the one pass too."""
     g = torch.Generator().manual_seed(n + d)
     shape = (tokens, d)
     sources = [(torch.randn(shape, generator=g) * (0.5 + i)).to(DEVICE, dtype) for i in range(n)]
-    prior, prior_lse, query, gain, weight, _, dy = merge_norm_side_inputs(g, tokens, d, heads, dtype)
+    prior, prior_lse, query, gain, weight, gate, dy = merge_norm_side_inputs(g, tokens, d, heads, dtype)
     query = query * (heads / d) ** 0.5  # scores of order one: no source's weight vanishes
+    additive, replayed = form != "replace", form == "additive-replayed"
+    start = (4 * torch.randn(shape, generator=g)).to(DEVICE)
+    stream = start
+    for s_ in sources:
+        stream = stream + s_
     results = []
     for save in (False, True):
         monkeypatch.setattr(tr, "SAVE_ROUTED", save)
-        leaves = [x.detach().clone().requires_grad_() for x in (*sources, query, gain, prior, prior_lse, weight)]
+        extra = (stream, gate) if additive else ()
+        leaves = [x.detach().clone().requires_grad_() for x in (*sources, query, gain, prior, prior_lse, weight, *extra)]
+        kw = dict(stream=leaves[n + 5], gate=leaves[n + 6], stream_start=start if replayed else None) if additive else {}
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            y = tr.merge_route_norm(leaves[:n], leaves[n], leaves[n + 1], heads, leaves[n + 2], leaves[n + 3], leaves[n + 4], 1e-5)
+            y = tr.merge_route_norm(leaves[:n], leaves[n], leaves[n + 1], heads, leaves[n + 2], leaves[n + 3], leaves[n + 4], 1e-5, **kw)
         keeps_r = save and n >= tr.SAVE_ROUTED_MIN_SOURCES
         assert any(t is leaves[n + 2] for t in saved) != keeps_r
-        routed = [t for t in saved if t.shape == prior.shape and t.dtype == torch.float32 and not any(t is x for x in leaves)]
+        routed = [
+            t for t in saved
+            if t.shape == prior.shape and t.dtype == torch.float32 and not any(t is x for x in (*leaves, start))
+        ]
         assert len(routed) == keeps_r
+        if additive:  # the stream kept as given, or its start
+            assert any(t is (start if replayed else leaves[n + 5]) for t in saved)
         if keeps_r:  # the norm's input: y is its RMSNorm times the weight
+            x = stream.float() + gate.float() * routed[0] if additive else routed[0]
             tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)  # (y rounded to bf16)
-            torch.testing.assert_close(torch.nn.functional.rms_norm(routed[0], (d,), weight.float(), 1e-5), y.float(), **tol)
+            torch.testing.assert_close(torch.nn.functional.rms_norm(x, (d,), weight.float(), 1e-5), y.float(), **tol)
         results.append([y, *torch.autograd.grad(y, leaves, dy)])
     (y0, *g0), (y1, *g1) = results
     assert torch.equal(y0, y1)
-    names = [f"source{i}" for i in range(n)] + ["query", "gain", "prior", "prior_lse", "norm_weight"]
+    names = [f"source{i}" for i in range(n)] + ["query", "gain", "prior", "prior_lse", "norm_weight"] + (["stream", "gate"] if additive else [])
     for name, a, b in zip(names, g1, g0):
         assert rel_err(a, b) < (1e-5 if dtype == torch.float32 else 1e-2), name
+
+
+def test_additive_merge_saves_no_routed_value_where_its_running_sum_is_rebuilt():
+    """Block routing's fused merge rebuilt from a block's outputs (``block_outputs``) keeps them
+    and its prior, never a routed value r (its backward's first pass rebuilds the running sum)."""
+    g = torch.Generator().manual_seed(5)
+    outputs = [torch.randn(9, 32, generator=g).to(DEVICE) for _ in range(4)]
+    running = outputs[0]
+    for o in outputs[1:]:
+        running = running + o
+    start = torch.randn(9, 32, generator=g).to(DEVICE)
+    stream = start + sum(outputs)
+    prior, prior_lse, query, gain, weight, gate, _ = merge_norm_side_inputs(g, 9, 32, 4, torch.float32)
+    leaves = [x.detach().clone().requires_grad_() for x in (query, prior, weight, gate)]
+    assert not tr._saves_routed([running] * 3, leaves[0], gain, stream, leaves[1], prior_lse, leaves[2], block_outputs=outputs)
+    assert tr._saves_routed([running] * 3, leaves[0], gain, stream, leaves[1], prior_lse, leaves[2])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        tr.merge_route_norm([running], leaves[0], gain, 4, leaves[1], prior_lse, leaves[2], 1e-5, stream=stream, gate=leaves[3],
+                            stream_start=start, block_outputs=outputs)
+    assert any(t is leaves[1] for t in saved)
 
 
 def test_merge_route_norm_writes_no_routed_value_without_a_backward(monkeypatch):
