@@ -119,9 +119,11 @@ KNOBS = {
     "bwd-2w": {(TR, "TUNED_TILES", ("bwd", 1024, 8)): (2048, 2)},  # the replacement form's merge backward at d = 1024, H = 8 on 2 warps (tune_tiles' best at 8 sources, within 1% at 4; at one source (512, 1) was faster; slower in training, seventeenth set)
     "bwd-4w": {(TR, "TUNED_TILES", ("bwd", 512, 8)): (1024, 4)},  # ... at d = 512, H = 8 on tiles of 1024 elements, 4 warps (tune_tiles' best at 100m at 4 and 8 sources; at one source (512, 1) was faster)
     "one-site-dots": {(TR, "DOT_MAX_SOURCES_ONE_SITE"): 64},  # a single site's backward on tensor cores up to 64 sources (before the eighteenth set; the package: vector kernels)
-    "additive-two-pass": {(TR, "SAVE_ROUTED_ADDITIVE"): False},  # Delta full's fused merges keep the prior, their backward two passes over the sources (before the nineteenth set)
+    "additive-saved-r": {(TR, "SAVE_ROUTED_ADDITIVE"): True},  # Delta full's fused merges of 3 sources or more save r (float32) for a one-pass backward (the package: the prior, two passes)
+    "additive-two-pass": {(TR, "SAVE_ROUTED_ADDITIVE"): False},  # ... the package's two passes (the nineteenth set's calls 1 had r saved by default)
     "additive-group-12": {("lit_mhar.routing", "FULL_ROUTING_GROUP_ADDITIVE"): 12},  # Delta full routing in groups of 12 sites (the package: 8)
-    "many-sites-8": {(TR, "DOT_MANY_SITES"): 8},  # the site loop on tensor cores at head width 64 (100m) from passes of 8 sites (the package: 12)
+    "many-sites-8": {(TR, "DOT_MANY_SITES"): 8},  # the site loop on tensor cores at head width 64 (100m) from passes of 8 sites: the package's since the nineteenth set
+    "many-sites-12": {(TR, "DOT_MANY_SITES"): 12},  # ... from passes of 12 sites (the eighteenth set: Delta full's groups of 8 on the vector kernels)
     "lone-final-site": {("lit_mhar.routing", "JOIN_FINAL_SITE"): False},  # the last routing site in a group of its own, a phase-one pass over every source (before the eighteenth set)
     **{f"dots-from-{n}": {(TR, "DOT_MIN_SOURCES"): n} for n in (1, 2, 4)},  # phase-one passes over fewer than n sources on the vector kernels (the package: 3)
     "pad-dots": {(TR, "DOT_SPLIT_WIDTH"): False},  # tensor-core kernels pad 1b's head width 160 to 256, pass two on the vector kernel (before the fourteenth set)

@@ -194,8 +194,11 @@ SAVE_ROUTED_MIN_SOURCES = 3  # (at 2 sources the merge measured 2-9% faster: not
 # SAVE_ROUTED_MIN_SOURCES sources; not block routing's rebuilt running sums): r is stored before
 # the stream and gate enter, the norm's input stream + gate * r is formed again in the backward,
 # where the stream replayed from its group's start (REPLAY_STREAM) takes one pass that only adds
-# the sources to it, without scores. A benchmark knob (``additive-two-pass``: False).
-SAVE_ROUTED_ADDITIVE = True
+# the sources to it, without scores. Measured in training on an H200 (BENCHMARKS.md, nineteenth
+# set; Delta full, tokens/s x prenorm, peak memory in brackets): 0.714 / 0.713 (1.070) against 0.714
+# (1.022) two-pass at 100m, 0.792 / 0.781 (1.066) against 0.785 (1.020) at 350m: no faster, 4 bytes
+# per element and site more, so off. A benchmark knob (``additive-saved-r``).
+SAVE_ROUTED_ADDITIVE = False
 SAVED_ROUTED_DTYPE: Optional[torch.dtype] = torch.float32
 # Head widths d/H that are a sum of two powers of two (96 = 64 + 32; 160 = 128 + 32 at 1b with
 # H = 8) are held by the training kernels as two tiles per head instead of one padded to the next
@@ -266,14 +269,15 @@ DOT_MAX_SOURCES_ONE_SITE = 0
 DOT_SOURCES_CHUNK = 64
 DOT_MIN_HEAD_WIDTH = 128
 # ... and from DOT_MANY_SITES_MIN_HEAD_WIDTH (100m's 64) up for passes of at least DOT_MANY_SITES
-# sites: full MHAR's groups of 12 (13 with the final site). Measured on an H200 in training at 100m
-# (BENCHMARKS.md, eighteenth set, tokens/s x prenorm): full MHAR 0.821 / 0.813 with both passes on
-# tensor cores at head width 64 against 0.775 / 0.775 on the vector kernels (one call), block MHAR
-# 0.925 against 0.921 / 0.909 (another; earlier sets: 0.880 against 0.911, 0.898 against 0.914), so
-# blocks of 3 or 4 sites keep the vector kernels; Delta full's groups of 8 (9 with the final site)
-# too, not measured there. A benchmark knob (``vector-at-64``).
+# sites: full routing's groups, MHAR's of 12 (13 with the final site) and Delta's of 8 (9).
+# Measured on an H200 in training at 100m (tokens/s x prenorm): full MHAR 0.821 / 0.813 with both
+# passes on tensor cores at head width 64 against 0.775 / 0.775 on the vector kernels (one call),
+# block MHAR 0.925 against 0.921 / 0.909 (another; earlier sets: 0.880 against 0.911, 0.898 against
+# 0.914), so blocks of 3 or 4 sites keep the vector kernels (BENCHMARKS.md, eighteenth set); Delta
+# full 0.750 with passes of 8 sites there against 0.713 / 0.714 (nineteenth set). A benchmark knob
+# (``vector-at-64``; ``many-sites-12`` for the eighteenth set's threshold).
 DOT_MANY_SITES_MIN_HEAD_WIDTH = 64
-DOT_MANY_SITES = 12
+DOT_MANY_SITES = 8
 # 1b's 160, padded to 256 (the eleventh set; two column tiles since the fourteenth, ``DOT_SPLIT_WIDTH``):
 # pass one measured faster in training (full MHAR 0.643 against 0.610 x
 # prenorm, block MHAR 0.928 against 0.921), pass two slower there (both passes: full 0.605 against

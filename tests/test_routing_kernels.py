@@ -693,13 +693,13 @@ def test_phase_one_over_fewer_than_three_sources_launches_the_vector_kernels(mon
 def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     """The tensor-core kernel takes the replacement form with the key rstd saved, at most 16 sites and
     3 to 128 sources (a single site none: ``DOT_MAX_SOURCES_ONE_SITE``), a head width from 128 to 160 (DOT_MIN_HEAD_WIDTH and DOT_MAX_HEAD_WIDTH; 64 was slower
-    in training for block routing's few sites) or from 64 with 12 sites or more (DOT_MANY_SITES), bf16; anything else keeps the vector kernel. Pass two takes widths held without
+    in training for block routing's few sites) or from 64 with 8 sites or more (DOT_MANY_SITES), bf16; anything else keeps the vector kernel. Pass two takes widths held without
     padding only (a power of two, or two column tiles: ``_dot_lanes``). Its tiles hold at least 16 rows of each
     operand, about DOT_TILE_ELEMENTS elements of the padded head width and at most DOT_MAX_ROWS rows."""
     ok = dict(n_sites=8, n_src=41, d=1024, heads=8, gate=None, has_rstd=True, dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
     assert tr._stats_on_dots(**ok)
     for change in (
-        dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(n_src=129), dict(heads=1), dict(d=96, heads=8), dict(d=512, heads=8, n_sites=11),
+        dict(gate=torch.ones(1)), dict(has_rstd=False), dict(n_sites=17), dict(n_src=129), dict(heads=1), dict(d=96, heads=8), dict(d=512, heads=8, n_sites=7),
         dict(d=2048), dict(d=64, heads=8), dict(dtype=torch.float16, grad_dtype=torch.float16),
         dict(dtype=torch.float32, grad_dtype=torch.float32), dict(grad_dtype=torch.float32),
     ):
@@ -710,10 +710,10 @@ def test_pass_one_on_tensor_cores_only_where_it_applies(monkeypatch):
     assert tr._fwd_on_dots(**fwd)
     # tiles of up to 128 sources for passes of several sites (a single site: below)
     assert tr._stats_on_dots(**{**ok, "n_src": 128}) and tr._fwd_on_dots(**{**fwd, "n_src": 128})
-    # head width 64 (100m) for passes of DOT_MANY_SITES = 12 sites or more (full MHAR's groups), not
-    # fewer (block routing's blocks, Delta full's groups of 8 or 9); without DOT_MANY_SITES_MIN_HEAD_WIDTH, none
-    assert (tr.DOT_MANY_SITES, tr.DOT_MANY_SITES_MIN_HEAD_WIDTH) == (12, 64)
-    assert [tr._stats_on_dots(**{**ok, "d": 512, "n_sites": s}) for s in (3, 4, 8, 9, 11, 12, 13, 16)] == [False] * 5 + [True] * 3
+    # head width 64 (100m) for passes of DOT_MANY_SITES = 8 sites or more (full routing's groups: MHAR's
+    # 12 or 13, Delta's 8 or 9), not fewer (block routing's blocks); without DOT_MANY_SITES_MIN_HEAD_WIDTH, none
+    assert (tr.DOT_MANY_SITES, tr.DOT_MANY_SITES_MIN_HEAD_WIDTH) == (8, 64)
+    assert [tr._stats_on_dots(**{**ok, "d": 512, "n_sites": s}) for s in (3, 4, 6, 7, 8, 9, 12, 13, 16)] == [False] * 4 + [True] * 5
     assert not tr._stats_on_dots(**{**ok, "d": 256, "n_sites": 12})  # head width 32
     monkeypatch.setattr(tr, "DOT_MANY_SITES_MIN_HEAD_WIDTH", 128)
     assert not tr._stats_on_dots(**{**ok, "d": 512, "n_sites": 12}) and tr._stats_on_dots(**{**ok, "n_sites": 3})
@@ -946,7 +946,11 @@ def test_merge_route_norm_saves_its_routed_value_in_float32_instead_of_the_prior
     it keeps the prior. The output is bit-identical to the two-pass backward's forward, and every
     gradient equals the two-pass one to float32 rounding (r unrounded: the prior's lse gradient
     from D - sum_i alpha_i <dr, v_i>_h - p_alpha D). The additive form's stream given as its start
-    (``stream_start``) is rebuilt by adding the sources in the one pass too."""
+    (``stream_start``) is rebuilt by adding the sources in the one pass too (the additive form saves
+    r with ``SAVE_ROUTED_ADDITIVE``, off by default)."""
+    if form != "replace":
+        assert not tr.SAVE_ROUTED_ADDITIVE
+        monkeypatch.setattr(tr, "SAVE_ROUTED_ADDITIVE", True)
     g = torch.Generator().manual_seed(n + d)
     shape = (tokens, d)
     sources = [(torch.randn(shape, generator=g) * (0.5 + i)).to(DEVICE, dtype) for i in range(n)]
@@ -987,9 +991,11 @@ def test_merge_route_norm_saves_its_routed_value_in_float32_instead_of_the_prior
         assert rel_err(a, b) < (1e-5 if dtype == torch.float32 else 1e-2), name
 
 
-def test_additive_merge_saves_no_routed_value_where_its_running_sum_is_rebuilt():
+def test_additive_merge_saves_no_routed_value_where_its_running_sum_is_rebuilt(monkeypatch):
     """Block routing's fused merge rebuilt from a block's outputs (``block_outputs``) keeps them
-    and its prior, never a routed value r (its backward's first pass rebuilds the running sum)."""
+    and its prior, never a routed value r (its backward's first pass rebuilds the running sum),
+    even with ``SAVE_ROUTED_ADDITIVE``; without it, no additive merge saves r."""
+    monkeypatch.setattr(tr, "SAVE_ROUTED_ADDITIVE", True)
     g = torch.Generator().manual_seed(5)
     outputs = [torch.randn(9, 32, generator=g).to(DEVICE) for _ in range(4)]
     running = outputs[0]
@@ -1001,6 +1007,10 @@ def test_additive_merge_saves_no_routed_value_where_its_running_sum_is_rebuilt()
     leaves = [x.detach().clone().requires_grad_() for x in (query, prior, weight, gate)]
     assert not tr._saves_routed([running] * 3, leaves[0], gain, stream, leaves[1], prior_lse, leaves[2], block_outputs=outputs)
     assert tr._saves_routed([running] * 3, leaves[0], gain, stream, leaves[1], prior_lse, leaves[2])
+    monkeypatch.setattr(tr, "SAVE_ROUTED_ADDITIVE", False)
+    assert not tr._saves_routed([running] * 3, leaves[0], gain, stream, leaves[1], prior_lse, leaves[2])
+    assert tr._saves_routed([running] * 3, leaves[0], gain, None, leaves[1], prior_lse, leaves[2])
+    monkeypatch.setattr(tr, "SAVE_ROUTED_ADDITIVE", True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         tr.merge_route_norm([running], leaves[0], gain, 4, leaves[1], prior_lse, leaves[2], 1e-5, stream=stream, gate=leaves[3],
