@@ -16,7 +16,9 @@ loop on tensor cores against the vector kernel, by warps and elements per tile,
 (``--shapes dot-tune``) each tensor-core kernel by warps and pipelining stages, then by tile, and
 (``--shapes wide``) passes over more than 64 sources on the vector kernels against tensor-core
 tiles of up to 128 sources, (``--shapes min-sources``) passes over 1 to 4 sources on either, and (``--shapes saved-r``) the fused-norm merge of 1 to 7 sources with
-its backward in two passes against one pass on the routed value r saved in float32 or bf16.
+its backward in two passes against one pass on the routed value r saved in float32 or bf16, and
+(``--shapes padded-sites``) the vector forward of passes whose site count ``FWD_SITES`` does not
+divide, in groups that divide it against padded groups and the tensor-core forward.
 
     python benchmarks/tune_tiles.py --scale 350m --out OUT    # writes OUT/tune_tiles.csv
 """
@@ -177,7 +179,7 @@ def main(argv=None):
     ap.add_argument("--scale", choices=list(SCALES), default="350m")
     ap.add_argument("--out", required=True, help="folder of tune_tiles.csv (rows are appended)")
     ap.add_argument("--shapes", default="phase1,full,one-site", help="comma-separated: which shape families to run "
-                    "(phase1, full, op: one site over 9 and 2L+1 sources at H = 1, merge, dots, passes, dot-tune, wide, min-sources, saved-r, one-site)")
+                    "(phase1, full, op: one site over 9 and 2L+1 sources at H = 1, merge, dots, passes, dot-tune, wide, min-sources, saved-r, one-site, padded-sites)")
     ap.add_argument("--kinds", default="", help="comma-separated launch kinds to vary (fwd, bwd_stats, bwd_sources, merge_fwd, bwd, "
                     "bwd_add: the additive merge's backward); default all")
     args = ap.parse_args(argv)
@@ -324,6 +326,20 @@ def main(argv=None):
                 continue
             settings = [("vector", dict(DOT_MIN_SOURCES=n + 1)), ("dots", dict(DOT_MIN_SOURCES=1))]
             time_pass_settings(emit, f"min-sources-N{n}-S{sites}-H8", make(M, d, n, sites, 8, seed=n), settings)
+
+        # "padded-sites": phase-one passes whose site count FWD_SITES does not divide, H = 8: L + 1
+        # sites over L + 1 sources (at 100m full MHAR's second group of 12, joined by the final
+        # site), 9 sites over 2L - 7 sources (at 100m Delta full's last group of 8, joined by it),
+        # a block of 3 sites over 5 sources (100m's S = 3); the vector forward in groups
+        # that divide the sites against padded ones (FWD_SITES_PADDED), of 2 and of 4, and the
+        # tensor-core forward from head width 64; forward and whole backward timed apart
+        if "padded-sites" in families:
+            padded_settings = [
+                ("divide", dict(FWD_SITES_PADDED=False)), ("padded", dict(FWD_SITES_PADDED=True)),
+                ("padded-fwd4", dict(FWD_SITES_PADDED=True, FWD_SITES=4)), ("dots-fwd-at-64", dict(DOT_FWD_MIN_HEAD_WIDTH=64)),
+            ]
+            for n, sites in ((layers + 1, layers + 1), (2 * layers - 7, 9), (5, 3)):
+                time_pass_settings(emit, f"padded-sites-N{n}-S{sites}-H8", make(M, d, n, sites, 8, seed=n), padded_settings)
 
         # "saved-r": the replacement form's merge fused with the norm (n newer sources, H = 8) with
         # its backward in two passes over the sources (r recomputed from the prior) against one

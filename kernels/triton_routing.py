@@ -160,6 +160,12 @@ SITE_LOOP_MIN_SOURCES = 9
 # shapes, by ptxas; in training within run-to-run spread: block MHAR 0.910 against 0.909 with one,
 # full MHAR 0.662 against 0.657, four per program 0.665; BENCHMARKS.md, fifth set).
 FWD_SITES = 2
+# ... also where that many do not divide the pass's sites: the last group's spare slots are masked
+# (13 sites in 7 programs of 2, not 13 of 1). Full routing's groups joined by the final site
+# (``JOIN_FINAL_SITE``: 13 sites at 100m in full MHAR, 9 in Delta full) and blocks of an odd count
+# of sublayers (3 at 100m, 9 at 1b) otherwise read every source once per site. A benchmark knob
+# (``fwd-sites-divide``: False).
+FWD_SITES_PADDED = True
 # Sites one program of the site loop's pass one takes together (same rule): the source tile, its
 # conversion and its norm are shared by the group, each site keeping its own gradient tile. Two
 # per program cut the instructions per token, site and source from 512 to 444 (350m shapes, by
@@ -1736,12 +1742,13 @@ def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple
     return bs, rows, warps, bh, bdh, dt
 
 
-def _group_sites(n_sites: int, most: int, d: int, heads: int) -> int:
+def _group_sites(n_sites: int, most: int, d: int, heads: int, padded: bool = False) -> int:
     """Sites per program: the largest power of two <= ``most`` dividing ``n_sites`` (no padding
-    sites) whose tile of one token per site fits ``MAX_TILE_ELEMENTS`` at width ``d`` (1 always fits)."""
+    sites; with ``padded``, at most ``n_sites``, the last group's spare slots masked) whose tile of
+    one token per site fits ``MAX_TILE_ELEMENTS`` at width ``d`` (1 always fits)."""
     most = min(most, max(1, MAX_TILE_ELEMENTS // _lanes(d, heads)[3]))
     group = 1
-    while group * 2 <= most and n_sites % (group * 2) == 0:
+    while group * 2 <= most and (n_sites % (group * 2) == 0 or (padded and group * 2 <= n_sites)):
         group *= 2
     return group
 
@@ -1802,7 +1809,7 @@ def _forward(
     interpret = like.device.type != "cuda"
     if n_sites < SITE_LOOP_MIN_SITES and n_sites > 1:  # the two-pass backward's limit on sites per pass, checked before any work
         _tile("bwd", n_sites, d, heads, interpret)
-    group = _group_sites(n_sites, FWD_SITES, d, heads)
+    group = _group_sites(n_sites, FWD_SITES, d, heads, padded=FWD_SITES_PADDED)
     # a forward with a prior (a merge: one site, few sources) is a launch kind of its own
     _, bm, warps, bh, bdh, dt = _tile("fwd" if prior_out is None else "merge_fwd", group, d, heads, interpret)
     srcs = [_aligned(s) for s in sources]
@@ -1839,7 +1846,7 @@ def _forward(
         progs = _dot_programs("fwd_sites_dot", like.device, tiles, 1, args, flags)
         _kernel("fwd_sites_dot", interpret)[(progs,)](*args(progs), **flags)
         return [*outs, lse, scores, rstd]
-    _kernel("fwd", interpret)[(triton.cdiv(M, bm) * (n_sites // group),)](
+    _kernel("fwd", interpret)[(triton.cdiv(M, bm) * triton.cdiv(n_sites, group),)](
         base, _offsets(srcs, base), n_src,
         w, n_sites,
         outs[0], _offsets(outs, outs[0]),
