@@ -123,7 +123,8 @@ KNOBS = {
     "additive-two-pass": {(TR, "SAVE_ROUTED_ADDITIVE"): False},  # ... the package's two passes (the nineteenth set's calls 1 had r saved by default)
     "additive-group-12": {("lit_mhar.routing", "FULL_ROUTING_GROUP_ADDITIVE"): 12},  # Delta full routing in groups of 12 sites (the package: 8)
     "many-sites-8": {(TR, "DOT_MANY_SITES"): 8},  # the site loop on tensor cores at head width 64 (100m) from passes of 8 sites: the package's since the nineteenth set
-    "fwd-sites-divide": {(TR, "FWD_SITES_PADDED"): False},  # the vector forward's site groups only of a size dividing the pass's sites (before the nineteenth set: 13 sites one per program)
+    "fwd-sites-padded": {(TR, "FWD_SITES_PADDED"): True},  # the vector forward in groups of FWD_SITES sites where they do not divide the pass's (spare slots masked; the package: groups dividing them)
+    "fwd-sites-divide": {(TR, "FWD_SITES_PADDED"): False},  # ... groups dividing them, the package's (the nineteenth set's call 3 had padded groups by default)
     "many-sites-12": {(TR, "DOT_MANY_SITES"): 12},  # ... from passes of 12 sites (the eighteenth set: Delta full's groups of 8 on the vector kernels)
     "lone-final-site": {("lit_mhar.routing", "JOIN_FINAL_SITE"): False},  # the last routing site in a group of its own, a phase-one pass over every source (before the eighteenth set)
     **{f"dots-from-{n}": {(TR, "DOT_MIN_SOURCES"): n} for n in (1, 2, 4)},  # phase-one passes over fewer than n sources on the vector kernels (the package: 3)

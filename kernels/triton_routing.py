@@ -160,12 +160,14 @@ SITE_LOOP_MIN_SOURCES = 9
 # shapes, by ptxas; in training within run-to-run spread: block MHAR 0.910 against 0.909 with one,
 # full MHAR 0.662 against 0.657, four per program 0.665; BENCHMARKS.md, fifth set).
 FWD_SITES = 2
-# ... also where that many do not divide the pass's sites: the last group's spare slots are masked
-# (13 sites in 7 programs of 2, not 13 of 1). Full routing's groups joined by the final site
-# (``JOIN_FINAL_SITE``: 13 sites at 100m in full MHAR, 9 in Delta full) and blocks of an odd count
-# of sublayers (3 at 100m, 9 at 1b) otherwise read every source once per site. A benchmark knob
-# (``fwd-sites-divide``: False).
-FWD_SITES_PADDED = True
+# With FWD_SITES_PADDED also where that many do not divide the pass's sites, the last group's spare
+# slots masked (13 sites in 7 programs of 2, not 13 of 1). Measured on an H200 (BENCHMARKS.md,
+# nineteenth set; ``tune_tiles.py --scale 100m --shapes padded-sites``, H = 8, bf16, the forward's
+# ms): 13 sites over 13 sources 6.50 against 6.00 in groups of one (5.77 in padded groups of 4),
+# 9 over 17 5.90 against 5.29, 3 over 5 0.87 against 0.69; in training at 100m within the spread
+# (full MHAR 0.823 / 0.819 against 0.818 x prenorm, block MHAR 0.912 against 0.908). So off; a
+# benchmark knob (``fwd-sites-padded``).
+FWD_SITES_PADDED = False
 # Sites one program of the site loop's pass one takes together (same rule): the source tile, its
 # conversion and its norm are shared by the group, each site keeping its own gradient tile. Two
 # per program cut the instructions per token, site and source from 512 to 444 (350m shapes, by

@@ -234,12 +234,14 @@ def test_two_sources_in_flight_match_float64_reference(monkeypatch):
 def test_site_groups_match_float64_reference(monkeypatch, fwd_sites, stats_sites):
     """Phase one with the sites taken 1, 4 or 8 per forward program (``FWD_SITES``) and 1, 2 or 8
     per program of the backward's pass one (``STATS_SITES``). The backward's group size must divide
-    S, so S = 8 runs the size asked, S = 6 at most 2 and S = 5 one; the forward's need not
-    (``FWD_SITES_PADDED``: the last group's spare slots masked), at most the largest power of two
-    <= S. Outputs, lse and every gradient against float64 routing, on a token count no tile divides."""
+    S, so S = 8 runs the size asked, S = 6 at most 2 and S = 5 one; with ``FWD_SITES_PADDED``
+    (off by default) the forward's need not (the last group's spare slots masked), at most the
+    largest power of two <= S. Outputs, lse and every gradient against float64 routing, on a
+    token count no tile divides."""
     monkeypatch.setattr(tr, "FWD_SITES", fwd_sites)
     monkeypatch.setattr(tr, "STATS_SITES", stats_sites)
-    assert tr.FWD_SITES_PADDED
+    assert not tr.FWD_SITES_PADDED
+    monkeypatch.setattr(tr, "FWD_SITES_PADDED", True)
     for sites, expected, expected_stats in ((8, fwd_sites, stats_sites), (6, min(4, fwd_sites), min(2, stats_sites)), (5, min(4, fwd_sites), 1)):
         assert tr._group_sites(sites, tr.FWD_SITES, 96, 4, padded=True) == expected
         assert tr._group_sites(sites, tr.FWD_SITES, 96, 4) == (fwd_sites if sites == 8 else min(2, fwd_sites) if sites == 6 else 1)
