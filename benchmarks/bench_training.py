@@ -121,6 +121,7 @@ KNOBS = {
     "one-site-dots": {(TR, "DOT_MAX_SOURCES_ONE_SITE"): 64},  # a single site's backward on tensor cores up to 64 sources (before the eighteenth set; the package: vector kernels)
     "additive-saved-r": {(TR, "SAVE_ROUTED_ADDITIVE"): True},  # Delta full's fused merges of 3 sources or more save r (float32) for a one-pass backward (the package: the prior, two passes)
     "additive-two-pass": {(TR, "SAVE_ROUTED_ADDITIVE"): False},  # ... the package's two passes (the nineteenth set's calls 1 had r saved by default)
+    "mhar-group-8": {("lit_mhar.routing", "FULL_ROUTING_GROUP"): 8},  # full MHAR in groups of 8 sites (before the sixteenth set; the package: 12)
     "additive-group-12": {("lit_mhar.routing", "FULL_ROUTING_GROUP_ADDITIVE"): 12},  # Delta full routing in groups of 12 sites (the package: 8)
     "many-sites-8": {(TR, "DOT_MANY_SITES"): 8},  # the site loop on tensor cores at head width 64 (100m) from passes of 8 sites: the package's since the nineteenth set
     "fwd-sites-padded": {(TR, "FWD_SITES_PADDED"): True},  # the vector forward in groups of FWD_SITES sites where they do not divide the pass's (spare slots masked; the package: groups dividing them)
