@@ -64,7 +64,8 @@ VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L su
 # Kernel settings against the defaults, same model, side by side: "<variant>:<knob>" (several
 # knobs joined by ":"). Each knob is {(module, attribute[, key]): value}, set while the variant runs.
 # Site groups are powers of two dividing a pass's sites (S = 3 / 6 / 9 for block MHAR at 100m /
-# 350m / 1b, 8 for full routing), so fwd4, fwd8 and stats4 change nothing where S has no such factor.
+# 350m / 1b; full routing's groups of 12 for MHAR, 8 for Delta, one more where the final site joins),
+# so fwd4, fwd8 and stats4 change nothing where S has no such factor (unless fwd-sites-padded).
 TR = "lit_mhar.kernels.triton_routing"
 KNOBS = {
     "custom-op": {(TR, "EAGER_FUNCTION"): False},  # eager calls through the custom op's autograd
@@ -120,7 +121,7 @@ KNOBS = {
     "bwd-4w": {(TR, "TUNED_TILES", ("bwd", 512, 8)): (1024, 4)},  # ... at d = 512, H = 8 on tiles of 1024 elements, 4 warps (tune_tiles' best at 100m at 4 and 8 sources; at one source (512, 1) was faster)
     "one-site-dots": {(TR, "DOT_MAX_SOURCES_ONE_SITE"): 64},  # a single site's backward on tensor cores up to 64 sources (before the eighteenth set; the package: vector kernels)
     "additive-saved-r": {(TR, "SAVE_ROUTED_ADDITIVE"): True},  # Delta full's fused merges of 3 sources or more save r (float32) for a one-pass backward (the package: the prior, two passes)
-    "additive-two-pass": {(TR, "SAVE_ROUTED_ADDITIVE"): False},  # ... the package's two passes (the nineteenth set's calls 1 had r saved by default)
+    "additive-two-pass": {(TR, "SAVE_ROUTED_ADDITIVE"): False},  # ... the package's two passes (the nineteenth set's call 1 had r saved by default)
     "mhar-group-8": {("lit_mhar.routing", "FULL_ROUTING_GROUP"): 8},  # full MHAR in groups of 8 sites (before the sixteenth set; the package: 12)
     "additive-group-12": {("lit_mhar.routing", "FULL_ROUTING_GROUP_ADDITIVE"): 12},  # Delta full routing in groups of 12 sites (the package: 8)
     "many-sites-8": {(TR, "DOT_MANY_SITES"): 8},  # the site loop on tensor cores at head width 64 (100m) from passes of 8 sites: the package's since the nineteenth set

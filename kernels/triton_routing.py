@@ -15,9 +15,10 @@ additive form), extended in two ways that the model's Block AttnRes path uses:
   ``RMSNorm(x) * weight`` of its output ``x`` (``r``, or ``stream + gate * r``) instead of ``x``,
   and its backward recomputes ``x`` from the prior and the sources (and the stream), applies the
   norm's backward and sums the weight's gradient per program, so neither ``x`` nor the norm's
-  input is written or saved; except that an eager merge of the replacement form over at least
-  ``SAVE_ROUTED_MIN_SOURCES`` sources, with a backward to come, writes ``r`` in float32 and saves
-  it in place of the prior (``SAVE_ROUTED``), so that its backward reads the sources once.
+  input is written or saved; except that an eager merge of the replacement form (the additive
+  form too with ``SAVE_ROUTED_ADDITIVE``) over at least ``SAVE_ROUTED_MIN_SOURCES`` sources, with
+  a backward to come, writes ``r`` in float32 and saves it in place of the prior
+  (``SAVE_ROUTED``), so that its backward reads the sources once with scores.
 
 Forward, per tile of ``BM`` tokens and a group of ``FWD_SITES`` sites (the groups of a pass are
 programs side by side, so a source tile is read from HBM once and from L2 by the other groups), one
@@ -204,8 +205,9 @@ SAVE_ROUTED_MIN_SOURCES = 3  # (at 2 sources the merge measured 2-9% faster: not
 # where the stream replayed from its group's start (REPLAY_STREAM) takes one pass that only adds
 # the sources to it, without scores. Measured in training on an H200 (BENCHMARKS.md, nineteenth
 # set; Delta full, tokens/s x prenorm, peak memory in brackets): 0.714 / 0.713 (1.070) against 0.714
-# (1.022) two-pass at 100m, 0.792 / 0.781 (1.066) against 0.785 (1.020) at 350m: no faster, 4 bytes
-# per element and site more, so off. A benchmark knob (``additive-saved-r``).
+# (1.022) two-pass at 100m, 0.792 / 0.781 (1.066) against 0.785 (1.020) at 350m: no faster, and r
+# in float32 in place of the bf16 prior keeps 2 bytes per element more per merge that saves it
+# (2.0 GiB at 100m, 1.9 at 350m), so off. A benchmark knob (``additive-saved-r``).
 SAVE_ROUTED_ADDITIVE = False
 SAVED_ROUTED_DTYPE: Optional[torch.dtype] = torch.float32
 # Head widths d/H that are a sum of two powers of two (96 = 64 + 32; 160 = 128 + 32 at 1b with
@@ -543,7 +545,7 @@ def _route_bwd(
         if DT > 0:
             gate_t = tl.load(gate_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32)
             dgate_acc_t = tl.full([1, 1, BH, DT], 0.0, tl.float32)
-    if NORM:  # the fused RMSNorm's weight (BS == 1, a prior, replacement form)
+    if NORM:  # the fused RMSNorm's weight (BS == 1, a prior; either form)
         nw = tl.load(nw_ptr + col, mask=cmask, other=0.0).to(tl.float32)
         dnw_acc = tl.full([1, 1, BH, BDH], 0.0, tl.float32)
         if DT > 0:
@@ -1923,10 +1925,11 @@ def _backward(
     ``stream_replay`` (fused norm, additive form) ``stream`` is the stream at the group's start,
     and the site's stream is that plus the sources in order (``merge_route_norm``'s ``stream_start``);
     with ``rebuild`` too, ``sources`` are a block's outputs, whose running sum is the one source and
-    which the stream adds instead (``block_outputs``). With ``saved_routed`` (fused norm,
-    replacement form) ``prior_out`` is the routed value r the forward stored (``save_routed``): the
-    kernel runs one pass over the sources instead of two, and ``dprior`` has the sources' dtype
-    (the prior's, which r's float32 need not be)."""
+    which the stream adds instead (``block_outputs``). With ``saved_routed`` (fused norm, not
+    ``rebuild``) ``prior_out`` is the routed value r the forward stored (``save_routed``): the
+    kernel runs one pass with scores over the sources instead of two (with ``stream_replay``, and
+    one that only adds them to the stream), and ``dprior`` has the sources' dtype (the prior's,
+    which r's float32 need not be)."""
     like = sources[0] if sources else prior_out
     shape, d = like.shape, like.shape[-1]
     n_sites, n_src, M = queries.shape[0], (1 if rebuild else len(sources)), like.numel() // d
@@ -2384,8 +2387,9 @@ class _RouteFunction(torch.autograd.Function):
     ``apply(heads, eps, store_scores, save_rstd, save_routed, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse,
     norm_weight, stream_start, block_outputs, *sources)`` returns the custom op's outputs as a tuple. With
     ``save_routed`` (:func:`_saves_routed`) a fused norm's merge saves its routed value r in place of
-    the prior and its backward runs one pass over the sources, where the custom op runs two
-    (the same gradients up to float32 rounding). With
+    the prior and its backward runs one pass with scores over the sources, where the custom op runs
+    two (the same gradients up to float32 rounding; a replayed stream takes a pass that only adds
+    the sources). With
     ``sink`` (a :class:`SinkBinding` of the sources) the sources' gradients are added into the sink
     inside the backward kernels and autograd gets none for them. With ``stream_start`` (fused
     norm, additive form: ``stream`` equals it plus the sources added in order) that is saved
@@ -2588,9 +2592,10 @@ def merge_route_norm(
     Same contract as :func:`lit_mhar.kernels.reference.merge_route_norm` (``y = RMSNorm(x) *
     norm_weight``, ``x = r`` or ``stream + gate * r``, never rounded). The backward
     recomputes ``r`` from the prior and the sources, so the forward saves what the merge saves (the
-    prior, its lse, the sources; where a backward will run, the replacement form over at least
-    ``SAVE_ROUTED_MIN_SOURCES`` sources writes ``r`` in float32 and saves it instead of the prior,
-    and the backward reads the sources once (``SAVE_ROUTED``); in the additive form the stream, or ``stream_start`` where given
+    prior, its lse, the sources; where a backward will run, the replacement form (the additive
+    form too with ``SAVE_ROUTED_ADDITIVE``) over at least ``SAVE_ROUTED_MIN_SOURCES`` sources writes
+    ``r`` in float32 and saves it instead of the prior, and the backward reads the sources once
+    with scores (``SAVE_ROUTED``); in the additive form the stream, or ``stream_start`` where given
     and float32, from which the backward kernel recomputes the stream by adding the sources it
     reads anyway; with ``block_outputs`` too, block routing, the block's outputs so far instead of
     its running sum and the stream: the backward kernel rebuilds the running sum, rounding after

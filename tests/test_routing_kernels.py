@@ -235,16 +235,19 @@ def test_site_groups_match_float64_reference(monkeypatch, fwd_sites, stats_sites
     """Phase one with the sites taken 1, 4 or 8 per forward program (``FWD_SITES``) and 1, 2 or 8
     per program of the backward's pass one (``STATS_SITES``). The backward's group size must divide
     S, so S = 8 runs the size asked, S = 6 at most 2 and S = 5 one; with ``FWD_SITES_PADDED``
-    (off by default) the forward's need not (the last group's spare slots masked), at most the
-    largest power of two <= S. Outputs, lse and every gradient against float64 routing, on a
-    token count no tile divides."""
+    (off by default; run with 4 sites per forward program) the forward's need not (the last
+    group's spare slots masked), at most the largest power of two <= S. Outputs, lse and every
+    gradient against float64 routing, on a token count no tile divides."""
     monkeypatch.setattr(tr, "FWD_SITES", fwd_sites)
     monkeypatch.setattr(tr, "STATS_SITES", stats_sites)
     assert not tr.FWD_SITES_PADDED
-    monkeypatch.setattr(tr, "FWD_SITES_PADDED", True)
+    padded = fwd_sites == 4  # the kernels run padded groups there, groups dividing S elsewhere
+    monkeypatch.setattr(tr, "FWD_SITES_PADDED", padded)
     for sites, expected, expected_stats in ((8, fwd_sites, stats_sites), (6, min(4, fwd_sites), min(2, stats_sites)), (5, min(4, fwd_sites), 1)):
+        dividing = fwd_sites if sites == 8 else min(2, fwd_sites) if sites == 6 else 1
         assert tr._group_sites(sites, tr.FWD_SITES, 96, 4, padded=True) == expected
-        assert tr._group_sites(sites, tr.FWD_SITES, 96, 4) == (fwd_sites if sites == 8 else min(2, fwd_sites) if sites == 6 else 1)
+        assert tr._group_sites(sites, tr.FWD_SITES, 96, 4) == dividing
+        assert tr._group_sites(sites, tr.FWD_SITES, 96, 4, padded=tr.FWD_SITES_PADDED) == (expected if padded else dividing)
         assert tr._group_sites(sites, tr.STATS_SITES, 96, 4) == expected_stats
         g = torch.Generator().manual_seed(11 + sites)
         srcs = [(torch.randn(67, 96, generator=g) * (1 + i)).to(DEVICE) for i in range(3)]
@@ -893,7 +896,7 @@ MERGE_NORM_CPU = [
     (0, 2, 64, 7, torch.float32, True),
     (2, 8, 160, 37, torch.bfloat16, True),
     (1, 4, 48, 70, torch.float32, True),
-    (3, 2, 96, 37, torch.bfloat16, True),
+    (3, 2, 96, 37, torch.bfloat16, True),  # the additive form at and above SAVE_ROUTED_MIN_SOURCES (two passes by default)
     (4, 4, 1000, 9, torch.float32, True),
 ]
 
@@ -1016,11 +1019,47 @@ def test_additive_merge_saves_no_routed_value_where_its_running_sum_is_rebuilt(m
     assert not tr._saves_routed([running] * 3, leaves[0], gain, stream, leaves[1], prior_lse, leaves[2])
     assert tr._saves_routed([running] * 3, leaves[0], gain, None, leaves[1], prior_lse, leaves[2])
     monkeypatch.setattr(tr, "SAVE_ROUTED_ADDITIVE", True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        tr.merge_route_norm([running], leaves[0], gain, 4, leaves[1], prior_lse, leaves[2], 1e-5, stream=stream, gate=leaves[3],
-                            stream_start=start, block_outputs=outputs)
-    assert any(t is leaves[1] for t in saved)
+    monkeypatch.setattr(tr, "SAVE_ROUTED_MIN_SOURCES", 1)  # the one running sum would qualify
+    for rebuilt in (True, False):
+        kw = dict(stream_start=start, block_outputs=outputs) if rebuilt else {}
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = tr.merge_route_norm([running], leaves[0], gain, 4, leaves[1], prior_lse, leaves[2], 1e-5, stream=stream, gate=leaves[3], **kw)
+        grads = torch.autograd.grad(y, leaves, torch.ones_like(y))  # the backward runs (SAVED_R with REBUILD raises)
+        assert all(g_.isfinite().all() for g_ in grads)
+        assert any(t is leaves[1] for t in saved) == rebuilt  # the prior, or r in its place
+        assert all(any(t is o for t in saved) for o in outputs) == rebuilt  # the block's outputs, not the running sum
+        assert any(t is start for t in saved) == rebuilt and any(t is stream for t in saved) != rebuilt
+
+
+# the additive form with r saved (SAVE_ROUTED_ADDITIVE, off by default): at and above
+# SAVE_ROUTED_MIN_SOURCES, one tile per head (16), a split head width (48 = 32 + 16) and a padded one (250)
+SAVED_R_ADDITIVE_CPU = [(3, 4, 64, 37, torch.float32), (3, 2, 96, 37, torch.bfloat16), (4, 4, 1000, 9, torch.float32)]
+SAVED_R_ADDITIVE_GPU = [
+    (7, h, d, 1037, dt) for h, d, dt in itertools.product((1, 2, 8), (64, 96, 1000, 1024, 1280), (torch.float32, torch.bfloat16)) if d % h == 0
+]
+
+
+def check_additive_saved_r(monkeypatch, n, heads, d, tokens, dtype):
+    """check_merge_route_norm of the additive form with its r saved (asserted: the forward was asked to save it)."""
+    monkeypatch.setattr(tr, "SAVE_ROUTED_ADDITIVE", True)
+    asked = []
+    forward = tr._forward
+    monkeypatch.setattr(tr, "_forward", lambda *a, **k: asked.append(k.get("save_routed", False)) or forward(*a, **k))
+    check_merge_route_norm(n, heads, d, tokens, dtype, additive=True)
+    assert asked == [True]
+
+
+@pytest.mark.parametrize("n,heads,d,tokens,dtype", SAVED_R_ADDITIVE_CPU, ids=[merge_norm_id(*c, True) for c in SAVED_R_ADDITIVE_CPU])
+def test_additive_merge_with_its_routed_value_saved_matches_float64_reference(monkeypatch, n, heads, d, tokens, dtype):
+    check_additive_saved_r(monkeypatch, n, heads, d, tokens, dtype)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,heads,d,tokens,dtype", SAVED_R_ADDITIVE_GPU, ids=[merge_norm_id(*c, True) for c in SAVED_R_ADDITIVE_GPU])
+def test_additive_merge_with_its_routed_value_saved_matches_float64_reference_full_grid(monkeypatch, n, heads, d, tokens, dtype):
+    check_additive_saved_r(monkeypatch, n, heads, d, tokens, dtype)
 
 
 def test_merge_route_norm_writes_no_routed_value_without_a_backward(monkeypatch):
