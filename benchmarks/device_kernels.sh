@@ -2,7 +2,7 @@
 # One call on the one-GPU machine, from the repository root, carrying .whl/ (fla-core, liger-kernel):
 # GPU kernel tests, generation at 350m, then per scale in $SCALES the routing op against its peers,
 # training throughput, tile tuning and a profile.
-#   OUT=... SCALES="350m" STEPS="tests ncu tune_decode generate op train tune profile" bash benchmarks/device_kernels.sh
+#   OUT=... SCALES="350m" STEPS="tests ncu tune_decode generate op train tune memory profile" bash benchmarks/device_kernels.sh
 set -uo pipefail
 R=$PWD
 OUT=${OUT:?}
@@ -50,6 +50,10 @@ for s in $SCALES; do
   if [[ " $STEPS " == *" tune "* ]]; then
     timeout ${TUNE_TIMEOUT:-220} python3 "$R/benchmarks/tune_tiles.py" --scale $s ${TUNE_ARGS:-} --out "$OUT" > "$OUT/tune-$s.log" 2>&1
     echo "tune $s exit $? at $SECONDS s"
+  fi
+  if [[ " $STEPS " == *" memory "* ]]; then
+    timeout ${MEMORY_TIMEOUT:-150} python3 "$R/benchmarks/memory_phases.py" --scale $s --variants ${MEMORY_VARIANTS:-prenorm,mhar-block8-H8,delta-block8-H8} --trace --out "$OUT" > "$OUT/memory-$s.log" 2>&1
+    echo "memory $s exit $? at $SECONDS s"; cat "$OUT/memory_phases.csv"
   fi
   if [[ " $STEPS " == *" profile "* ]]; then
     timeout ${PROFILE_TIMEOUT:-120} python3 "$R/benchmarks/profile_step.py" --scale $s --variants ${PROFILE_VARIANTS:-prenorm,mhar-block8-H8,mhar-full-H8} --out "$OUT" > "$OUT/profile-$s.log" 2>&1

@@ -31,3 +31,38 @@ def test_tune_tiles_kernel_settings_sets_restores_and_takes_none(tune_tiles):
     with tune_tiles.kernel_settings({}):
         assert (tr.DOT_MIN_SOURCES, tr.WARPS) == before
     assert (tr.DOT_MIN_SOURCES, tr.WARPS) == before
+
+
+@pytest.fixture
+def memory_phases(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # memory_phases imports bench_training from its folder
+    import memory_phases
+
+    yield memory_phases
+    sys.modules.pop("memory_phases", None)
+
+
+def test_memory_peak_takes_the_blocks_alive_at_the_largest_sum(memory_phases):
+    """``live_at_peak`` replays an allocator trace: the peak is the largest sum of live blocks,
+    blocks freed before it and blocks from before the trace do not count, the phase is the
+    forward's up to ``forward_events``, and the live blocks are grouped by the project line that
+    allocated them."""
+    here = [{"filename": "/x/torch/nn/functional.py", "line": 9, "name": "rms_norm"},
+            {"filename": "/tmp/site/lit_mhar/model.py", "line": 7, "name": "forward"}]
+    there = [{"filename": "/tmp/site/lit_mhar/kernels/sink.py", "line": 3, "name": "advance"}]
+    events = [
+        dict(action="alloc", addr=1, size=100, frames=here),
+        dict(action="alloc", addr=2, size=50, frames=there),
+        dict(action="free_completed", addr=99, size=500, frames=[]),  # allocated before the trace
+        dict(action="alloc", addr=3, size=30, frames=here),  # peak: 180
+        dict(action="free_completed", addr=1, size=100, frames=here),
+        dict(action="alloc", addr=4, size=120, frames=[]),  # 50 + 30 + 120 = 200
+        dict(action="free_completed", addr=4, size=120, frames=[]),
+        dict(action="alloc", addr=5, size=170, frames=[]),  # 50 + 30 + 170 = 250, the peak
+        dict(action="free_completed", addr=2, size=50, frames=there),
+    ]
+    best, phase, groups = memory_phases.live_at_peak(events, forward_events=4)
+    assert best == 250 and phase == "backward"
+    assert groups == [("(autograd engine)", 170, 1), ("lit_mhar/kernels/sink.py:3 (advance)", 50, 1), ("lit_mhar/model.py:7 (forward)", 30, 1)]
+    best, phase, groups = memory_phases.live_at_peak(events[:4], forward_events=4)
+    assert best == 180 and phase == "forward" and groups[0] == ("lit_mhar/model.py:7 (forward)", 130, 2)
