@@ -84,11 +84,12 @@ def merge_route(sources, query, gain, heads, prior_out, prior_lse, stream=None, 
 
 def merge_route_norm(
     sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, stream=None, gate=None, eps=1e-6, grad_sink=None,
-    stream_start=None, block_outputs=None,
+    stream_start=None, block_outputs=None, earlier_outputs=None,
 ):
     """Dispatching second phase fused with the next RMSNorm (training); see :func:`lit_mhar.kernels.reference.merge_route_norm`."""
     return _impl(prior_out, "merge_route_norm: prior_out").merge_route_norm(
-        sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, stream, gate, eps, grad_sink, stream_start, block_outputs
+        sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, stream, gate, eps, grad_sink, stream_start, block_outputs,
+        earlier_outputs,
     )
 
 

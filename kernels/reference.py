@@ -205,6 +205,7 @@ def check_merge_norm_args(
     sources: Sequence[Tensor], query: Tensor, gain: Tensor, heads: int, prior_out: Tensor, prior_lse: Tensor,
     norm_weight: Tensor, norm_eps: float, eps: float, stream: Optional[Tensor] = None, gate: Optional[Tensor] = None,
     stream_start: Optional[Tensor] = None, block_outputs: Optional[Sequence[Tensor]] = None,
+    earlier_outputs: Optional[Sequence[Tensor]] = None,
 ) -> None:
     """Validate :func:`merge_route_norm`'s arguments before any work; raise ValueError naming the bad one."""
     if not isinstance(prior_out, Tensor) or prior_out.dim() < 1 or not prior_out.is_floating_point():
@@ -256,6 +257,18 @@ def check_merge_norm_args(
                     f"merge_route_norm: block_outputs[{k}] must be a tensor of the source's shape {tuple(sources[0].shape)}, "
                     f"dtype {sources[0].dtype} and device {sources[0].device}, got {got}"
                 )
+    if earlier_outputs is not None:
+        if stream_start is None:
+            raise ValueError("merge_route_norm: earlier_outputs is given without stream_start (they are added to it)")
+        if not isinstance(earlier_outputs, (list, tuple)):
+            raise ValueError(f"merge_route_norm: earlier_outputs must be a list of tensors, got a {type(earlier_outputs).__name__}")
+        for k, o in enumerate(earlier_outputs):
+            if not isinstance(o, Tensor) or o.shape != stream.shape or not o.is_floating_point() or o.device != stream.device:
+                got = f"shape {tuple(o.shape)}, dtype {o.dtype}, device {o.device}" if isinstance(o, Tensor) else repr(o)
+                raise ValueError(
+                    f"merge_route_norm: earlier_outputs[{k}] must be a floating tensor of the stream's shape {tuple(stream.shape)} "
+                    f"on {stream.device}, got {got}"
+                )
 
 
 def merge_route_norm(
@@ -273,6 +286,7 @@ def merge_route_norm(
     grad_sink: Optional[GradientSink] = None,
     stream_start: Optional[Tensor] = None,
     block_outputs: Optional[Sequence[Tensor]] = None,
+    earlier_outputs: Optional[Sequence[Tensor]] = None,
 ) -> Tensor:
     """Second phase of two-phase routing fused with the next sublayer's RMSNorm (training).
 
@@ -311,6 +325,13 @@ def merge_route_norm(
             and the block's start instead of the running sum and the stream, and recompute both
             in the backward, where the stream is float32 and the source bf16 or float32 (else
             both are saved). Checked here (shapes, dtypes, devices and both sums), otherwise unused.
+        earlier_outputs: with ``stream_start``, the sublayer outputs ``[..., d]`` between an
+            earlier group's start, which ``stream_start`` then is, and this group's, in order:
+            ``stream`` is ``stream_start`` plus these, then the sources (or ``block_outputs``),
+            added one by one. The fused kernels save them instead of this group's start (in block
+            routing, a block's start replayed from the block before it: 2 bytes per element
+            kept instead of 4), where they have the sources' dtype (else the stream is saved).
+            Checked here (shapes, devices and the sum), otherwise unused.
 
     Returns:
         ``y`` ``[..., d]`` in the dtype of ``prior_out`` promoted with the sources (not with
@@ -320,19 +341,23 @@ def merge_route_norm(
     Raises:
         ValueError: a shape, device, dtype, ``heads`` or epsilon that does not fit; ``stream``
             without ``gate`` or the reverse; ``stream_start`` without ``stream``, or one from
-            which the sources (or ``block_outputs``) do not add up to ``stream``;
+            which ``earlier_outputs`` and the sources (or ``block_outputs``) do not add up to
+            ``stream``; ``earlier_outputs`` without ``stream_start``, not a list, or with a tensor
+            of another shape or device than the stream;
             ``block_outputs`` without ``stream_start``, with other than one source, empty, of
             another shape, dtype or device than the source, or whose running sum is not the source.
     """
     check_merge_norm_args(
-        sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate, stream_start, block_outputs
+        sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate, stream_start, block_outputs,
+        earlier_outputs,
     )
     if stream_start is not None:
         replayed = stream_start.detach()
-        for s_ in block_outputs if block_outputs is not None else sources:
+        for s_ in [*(earlier_outputs or ()), *(block_outputs if block_outputs is not None else sources)]:
             replayed = replayed + s_.detach()
         if not torch.equal(replayed, stream.detach()):
             what = "block_outputs" if block_outputs is not None else "the sources"
+            what = f"earlier_outputs and {what}" if earlier_outputs else what
             raise ValueError(f"merge_route_norm: stream_start plus {what}, added in order, is not the stream; pass stream_start=None")
     if block_outputs is not None:
         running = block_outputs[0].detach()

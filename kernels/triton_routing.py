@@ -490,7 +490,7 @@ def _route_fwd(
 
 
 def _route_bwd(
-    src_base, src_offs, n_src, n_rep,
+    src_base, src_offs, n_src, n_rep, pre_offs, n_pre,
     w_ptr, n_sites,
     g_base, g_offs,
     lse_ptr, dlse_ptr,
@@ -510,7 +510,9 @@ def _route_bwd(
     # STREAM_ACC the stream's gradient (fused norm, additive form) adds dstream_acc_ptr's likewise.
     # With REPLAY (fused norm, additive form, a float32 stream) stream_ptr holds the stream at the
     # group's start and the stream is that plus the sources, added in order in float32 as the
-    # forward's torch additions did (bit-identical), while pass one reads the sources anyway.
+    # forward's torch additions did (bit-identical), while pass one reads the sources anyway;
+    # n_pre > 0 earlier outputs (src_base + pre_offs[k], the sublayers between that start and the
+    # group's, in order) are added to it first.
     # With REBUILD too (block routing, n_src == 1) the table holds n_rep tensors, a block's outputs:
     # the one source is their running sum, rebuilt in both passes and rounded to the sources' dtype
     # after each addition as torch's additions round (bf16: to nearest even, on the bits, since
@@ -587,6 +589,12 @@ def _route_bwd(
             hs = tl.load(stream_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
             if DT > 0:
                 hs_t = tl.load(stream_ptr + x_off_t, mask=hmask, other=0.0).to(tl.float32)
+            if REPLAY:  # from an earlier group's start: the outputs in between first, in order
+                for k in range(n_pre):
+                    p_off = tl.multiple_of(tl.load(pre_offs + k), ALIGN)
+                    hs = hs + tl.load(src_base + p_off + x_off, mask=xmask, other=0.0).to(tl.float32)
+                    if DT > 0:
+                        hs_t = hs_t + tl.load(src_base + p_off + x_off_t, mask=hmask, other=0.0).to(tl.float32)
         if SAVED_R:  # r itself: no pass over the sources with scores before the norm's backward
             p_alpha = tl.exp(tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0) - lse)
             racc += tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
@@ -1919,6 +1927,7 @@ def _backward(
     lse: Tensor, grad_outs: list[Tensor], grad_lse: Optional[Tensor], rstd: Optional[Tensor] = None,
     norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0, stream: Optional[Tensor] = None,
     sink: Optional[SinkBinding] = None, stream_replay: bool = False, rebuild: bool = False, saved_routed: bool = False,
+    earlier_outputs: Sequence[Tensor] = (),
 ) -> list[Tensor]:
     """The fused backward (:func:`route_bwd`); with ``sink`` the source gradients are added into
     the sink's slots inside the kernels and the first returned gradient is an empty tensor. With
@@ -1929,7 +1938,9 @@ def _backward(
     ``rebuild``) ``prior_out`` is the routed value r the forward stored (``save_routed``): the
     kernel runs one pass with scores over the sources instead of two (with ``stream_replay``, and
     one that only adds them to the stream), and ``dprior`` has the sources' dtype (the prior's,
-    which r's float32 need not be)."""
+    which r's float32 need not be). ``earlier_outputs`` (with ``stream_replay``; the sources'
+    dtype): ``stream`` is the stream at an earlier group's start, to which these are added first
+    (``merge_route_norm``'s ``earlier_outputs``)."""
     like = sources[0] if sources else prior_out
     shape, d = like.shape, like.shape[-1]
     n_sites, n_src, M = queries.shape[0], (1 if rebuild else len(sources)), like.numel() // d
@@ -1942,7 +1953,10 @@ def _backward(
     bs, bm, warps, bh, bdh, dt = _tile("bwd" if gate is None else "bwd_add", n_sites, d, heads, interpret)
     num_tiles = triton.cdiv(M, bm)
     srcs = [_aligned(s) for s in sources]
-    base = srcs[0] if srcs else _aligned(prior_out)
+    earlier = [_aligned(o) for o in earlier_outputs]
+    base = srcs[0] if srcs else earlier[0] if earlier else _aligned(prior_out)
+    if earlier and (not stream_replay or any(o.dtype != base.dtype for o in earlier)):
+        raise ValueError("triton depth routing: earlier outputs belong to a replayed stream and take the sources' dtype")
     grads = [_aligned(g) for g in grad_outs]
     if any(g.dtype != grads[0].dtype for g in grads):
         grads = [_aligned(g.to(grads[0].dtype)) for g in grads]
@@ -1960,7 +1974,7 @@ def _backward(
     )
 
     head = (
-        base, _offsets(srcs, base), n_src, len(srcs),
+        base, _offsets(srcs, base), n_src, len(srcs), _offsets(earlier, base), len(earlier),
         w, n_sites,
         grads[0], _offsets(grads, grads[0]),
         lse.contiguous(), grad_lse.contiguous() if grad_lse is not None else dummy,
@@ -2385,7 +2399,7 @@ class _RouteFunction(torch.autograd.Function):
     registered autograd, without the custom op's per-call argument handling (``EAGER_FUNCTION``).
 
     ``apply(heads, eps, store_scores, save_rstd, save_routed, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse,
-    norm_weight, stream_start, block_outputs, *sources)`` returns the custom op's outputs as a tuple. With
+    norm_weight, stream_start, block_outputs, earlier_outputs, *sources)`` returns the custom op's outputs as a tuple. With
     ``save_routed`` (:func:`_saves_routed`) a fused norm's merge saves its routed value r in place of
     the prior and its backward runs one pass with scores over the sources, where the custom op runs
     two (the same gradients up to float32 rounding; a replayed stream takes a pass that only adds
@@ -2396,12 +2410,14 @@ class _RouteFunction(torch.autograd.Function):
     instead of ``stream`` and the backward kernel adds the sources to it again; with
     ``block_outputs`` too (a tuple: the one source is their running sum, ``stream`` the start plus
     them) the outputs are saved instead of the source, and the kernel rebuilds both from them.
+    ``earlier_outputs`` (a tuple, or None; with ``stream_start``): the outputs between an earlier
+    group's start, which ``stream_start`` then is, and this group's, saved and added first.
     """
 
     @staticmethod
     def forward(
         ctx, heads, eps, store_scores, save_rstd, save_routed, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse,
-        norm_weight, stream_start, block_outputs, *sources,
+        norm_weight, stream_start, block_outputs, earlier_outputs, *sources,
     ):
         ctx.saved_routed = save_routed  # r saved in place of the prior (SAVE_ROUTED)
         outs = _forward(
@@ -2416,6 +2432,9 @@ class _RouteFunction(torch.autograd.Function):
         ctx.rebuild = ctx.stream_replay and block_outputs is not None and len(sources) == 1
         kept_stream = (stream_start if ctx.stream_replay else stream) if norm_weight is not None else None
         kept = block_outputs if ctx.rebuild else sources  # the block's outputs rebuild its running sum
+        earlier = tuple(earlier_outputs or ()) if ctx.stream_replay else ()
+        ctx.n_earlier = len(earlier)  # saved before the sources; the stream adds them first
+        kept = (*earlier, *kept)
         ctx.save_for_backward(queries, gains, gate, prior_out, prior_lse, norm_weight, kept_stream, outs[n_out], outs[n_out + 2], *kept)
         ctx.heads, ctx.eps, ctx.n_out, ctx.additive, ctx.n_src = heads, eps, n_out, stream is not None, len(sources)
         ctx.norm_eps, ctx.sink, ctx.norm_weight_given = norm_eps, sink, norm_weight is not None
@@ -2426,22 +2445,26 @@ class _RouteFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the kernels' gradients are not differentiable again (as with the custom op)
     def backward(ctx, *grads):
-        sink = ctx.sink
-        res = _gradients(
-            ctx, grads,
-            functools.partial(_backward, sink=sink, stream_replay=ctx.stream_replay, rebuild=ctx.rebuild, saved_routed=ctx.saved_routed),
-        )
+        sink, k = ctx.sink, ctx.n_earlier
+
+        def backward(sources, *args):
+            return _backward(
+                sources[k:], *args, sink=sink, stream_replay=ctx.stream_replay, rebuild=ctx.rebuild, saved_routed=ctx.saved_routed,
+                earlier_outputs=sources[:k],
+            )
+
+        res = _gradients(ctx, grads, backward)
         if res is None:
-            return (None,) * (16 + ctx.n_src)
+            return (None,) * (17 + ctx.n_src)
         d_src, *rest = res
         if sink is not None and sink.stream_slot is not None and ctx.norm_weight_given:
             rest[2] = None  # the stream's gradient went into its slot (the fused norm's backward kernel)
-        return (None,) * 7 + (*rest, None, None, *(d_src.unbind(0) if sink is None else (None,) * ctx.n_src))
+        return (None,) * 7 + (*rest, None, None, None, *(d_src.unbind(0) if sink is None else (None,) * ctx.n_src))
 
 
 def _route(
     sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, norm_weight=None, norm_eps=0.0, sink=None,
-    stream_start=None, block_outputs=None,
+    stream_start=None, block_outputs=None, earlier_outputs=None,
 ):
     """:func:`route_fwd` with autograd: the custom op under ``torch.compile``, else (with
     ``EAGER_FUNCTION``) :class:`_RouteFunction`, which runs the same kernels. Whether the forward
@@ -2450,14 +2473,15 @@ def _route(
     :class:`SinkBinding` of the sources (the callers bind it, and drop it where they cast the
     sources: the copies' gradients go back through autograd); used on the eager path only: the
     custom op returns the gradients through autograd, also correct for the aliases.
-    ``stream_start``, ``block_outputs``: see :func:`merge_route_norm`; used on the eager path only
-    (the custom op saves the stream and the sources)."""
+    ``stream_start``, ``block_outputs``, ``earlier_outputs``: see :func:`merge_route_norm`; used on
+    the eager path only (the custom op saves the stream and the sources)."""
     save_rstd = _saves_rstd(sources, queries, gains, prior_out is not None)
     if EAGER_FUNCTION and not torch.compiler.is_compiling():
         save_routed = _saves_routed(sources, queries, gains, stream, prior_out, prior_lse, norm_weight, block_outputs)
         return _RouteFunction.apply(
             heads, eps, store_scores, save_rstd, save_routed, norm_eps, sink, queries, gains, stream, gate, prior_out, prior_lse, norm_weight,
-            stream_start, None if block_outputs is None else tuple(block_outputs), *sources,
+            stream_start, None if block_outputs is None else tuple(block_outputs),
+            None if earlier_outputs is None else tuple(earlier_outputs), *sources,
         )
     return torch.ops.lit_mhar.route_fwd(
         sources, queries, gains, heads, eps, stream, gate, prior_out, prior_lse, store_scores, save_rstd, norm_weight, float(norm_eps)
@@ -2586,6 +2610,7 @@ def merge_route_norm(
     grad_sink: Optional[GradientSink] = None,
     stream_start: Optional[Tensor] = None,
     block_outputs: Optional[Sequence[Tensor]] = None,
+    earlier_outputs: Optional[Sequence[Tensor]] = None,
 ) -> Tensor:
     """Second phase fused with the next sublayer's RMSNorm: one kernel forward, one backward.
 
@@ -2600,7 +2625,8 @@ def merge_route_norm(
     reads anyway; with ``block_outputs`` too, block routing, the block's outputs so far instead of
     its running sum and the stream: the backward kernel rebuilds the running sum, rounding after
     each addition as torch does, and the stream from them, where the running sum is bf16 or
-    float32 and read uncast), not the norm's input; the
+    float32 and read uncast; with ``earlier_outputs`` too, ``stream_start`` is an earlier group's
+    start and these outputs, saved, are added to it first), not the norm's input; the
     weight's gradient is summed per persistent program and reduced in a fixed order (deterministic).
     With ``grad_sink`` the backward kernel adds the sources' gradients into the sink, and in the
     additive form the stream's where the sink collected the stream (:meth:`GradientSink.collect`);
@@ -2608,7 +2634,8 @@ def merge_route_norm(
     (the collected aliases add them to their sums: the same totals).
     """
     check_merge_norm_args(
-        sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate, stream_start, block_outputs
+        sources, query, gain, heads, prior_out, prior_lse, norm_weight, norm_eps, eps, stream, gate, stream_start, block_outputs,
+        earlier_outputs,
     )
     _check_dtypes([prior_out])
     if stream_start is not None and stream_start.dtype != torch.float32:
@@ -2622,9 +2649,16 @@ def merge_route_norm(
         # the kernel rounds the rebuilt running sum as torch does for bf16 (and float32: no rounding
         # beyond the sum's); a cast source, another dtype, or a stream that is not replayed: saved
         stream_start = block_outputs = None
+    if earlier_outputs and (
+        stream_start is None or (srcs and srcs[0] is not sources[0])
+        or any(o.dtype not in SUPPORTED_DTYPES or o.dtype != (srcs[0] if srcs else earlier_outputs[0]).dtype for o in earlier_outputs)
+    ):
+        # the kernel reads them through the sources' offset table: their dtype, uncast; else the stream is saved
+        stream_start = block_outputs = earlier_outputs = None
     return _route(
         srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False, norm_weight, float(norm_eps),
         sink=_uncast(binding, srcs, sources), stream_start=stream_start, block_outputs=block_outputs,
+        earlier_outputs=earlier_outputs or None,
     )[0]
 
 

@@ -99,6 +99,13 @@ SINK_STREAM = True
 # stream (as under autocast; the kernel adds in float32), not for activation checkpointing, whose
 # recomputed sublayers route from snapshots. A knob.
 REPLAY_STREAM = True
+# ... and in block routing, from the start of every REPLAY_SPAN_BLOCKS-th block: a block inside a
+# span replays its stream from the span's start plus the outputs of the blocks before it in the
+# span (merge_route_norm's earlier_outputs), so one float32 stream (4 bytes per element) is kept
+# per span instead of per block, for the bf16 last output (2 bytes) of each block but the span's
+# last, which nothing else keeps; the merges' backward reads those outputs again. 1: a stream per
+# block. (BENCHMARKS.md, twentieth set.) A knob.
+REPLAY_SPAN_BLOCKS = 2
 
 
 class DepthHistory:
@@ -163,6 +170,7 @@ class DepthHistory:
         self._stream_next: Optional[tuple[Tensor, int]] = None
         self._stream_site: Optional[tuple[int, Tensor, int]] = None
         self._group_outputs: list[tuple[Tensor, int]] = []
+        self._earlier: list[tuple[Tensor, int]] = []  # outputs of the span's groups before this one (REPLAY_SPAN_BLOCKS)
 
     def sources(self) -> list[Tensor]:
         """Sources visible to the next routing site, oldest first (N = 1 + completed + started)."""
@@ -182,12 +190,19 @@ class DepthHistory:
             tracked = self._collect(stream)
         index = self.n_appended
         if REPLAY_STREAM and self._replays():
+            made = self._stream_next is not None and stream is self._stream_next[0] and stream._version == self._stream_next[1]
             if self._group_first(index) == index:
-                self._replay = (index, tracked, tracked._version)
-            elif self._stream_next is None or stream is not self._stream_next[0] or stream._version != self._stream_next[1]:
+                if self._replay is None or not made or self._span_starts(index):
+                    self._replay, self._earlier = (index, tracked, tracked._version), []
+            elif not made:
                 self._replay = None  # not the stream append() made, or changed in place since: no replay until the next group
             self._stream_site = (index, tracked, tracked._version)
         return tracked
+
+    def _span_starts(self, index: int) -> bool:
+        """Whether the stream replay starts afresh at ``index``, the first site of a group: in
+        every group of full routing, at every ``REPLAY_SPAN_BLOCKS``-th block of block routing."""
+        return self.block_size == 1 or REPLAY_SPAN_BLOCKS <= 1 or (index // self.group_size) % REPLAY_SPAN_BLOCKS == 0
 
     def append(self, output: Tensor, sublayer: int, stream: Optional[Tensor] = None) -> Optional[Tensor]:
         """Record the raw output ``[..., d]`` of sublayer ``sublayer`` (0-based, in order).
@@ -223,7 +238,7 @@ class DepthHistory:
         self.partial = self._collect(partial)
         self.n_appended += 1
         if self._group_first(self.n_appended) == self.n_appended:
-            self._group_outputs = []
+            self._earlier, self._group_outputs = [*self._earlier, *self._group_outputs], []  # (track_stream drops them at a span's start)
         if self.n_appended % self.block_size == 0:
             self.blocks.append(self.partial)
             self.partial = None
@@ -304,33 +319,38 @@ class DepthHistory:
         )
 
     def _stream_replay(self, stream: Optional[Tensor], newer: Sequence[Tensor]) -> dict:
-        """``merge_route_norm``'s ``stream_start`` (and in block routing ``block_outputs``) for this
-        site (REPLAY_STREAM): the stream at the start of the site's group, where ``stream`` is it
-        plus the sublayer outputs :meth:`append` added since, none of them changed in place since,
-        which in full routing are the sources ``newer`` and in block routing add up to the one
-        source, the running sum (of their dtype); else {}."""
+        """``merge_route_norm``'s ``stream_start`` (and in block routing ``block_outputs``, and
+        within a span of ``REPLAY_SPAN_BLOCKS`` blocks ``earlier_outputs``) for this site
+        (REPLAY_STREAM): the stream at the start of the site's group (or span), where ``stream`` is
+        it plus the sublayer outputs :meth:`append` added since, none of them changed in place
+        since, which in full routing are the sources ``newer`` and in block routing are the span's
+        earlier blocks' outputs, then the outputs that add up to the one source, the running sum
+        (of their dtype); else {}."""
         index = self.n_appended
         if not REPLAY_STREAM or not self._replays() or self._replay is None or self._stream_site is None or stream is None:
             return {}
         first, start, start_version = self._replay
         site, tracked, tracked_version = self._stream_site
-        if site != index or stream is not tracked or first != self._group_first(index):
+        group_first = self._group_first(index)
+        if site != index or stream is not tracked or first != group_first - len(self._earlier):
             return {}
         if stream._version != tracked_version or start._version != start_version:
             return {}
         if start.dtype != torch.float32 or stream.dtype != torch.float32:  # the kernel's additions are float32's
             return {}
-        outputs = [o for o, _ in self._group_outputs]
-        if len(outputs) != index - first or any(o._version != v for o, v in self._group_outputs):
+        outputs, earlier = [o for o, _ in self._group_outputs], [o for o, _ in self._earlier]
+        changed = any(o._version != v for o, v in (*self._earlier, *self._group_outputs))
+        if len(outputs) != index - group_first or changed:
             return {}
         if self.block_size == 1:
-            return dict(stream_start=start) if len(newer) == len(outputs) else {}
+            return dict(stream_start=start) if len(newer) == len(outputs) and not earlier else {}
+        extra = dict(earlier_outputs=earlier) if earlier else {}
         if not outputs:
-            return dict(stream_start=start) if not newer else {}
+            return dict(stream_start=start, **extra) if not newer else {}
         like = newer[0] if len(newer) == 1 else None
-        if like is None or any(o.dtype != like.dtype or o.shape != like.shape or o.device != like.device for o in outputs):
+        if like is None or any(o.dtype != like.dtype or o.shape != like.shape or o.device != like.device for o in (*earlier, *outputs)):
             return {}  # (an output of another dtype: the running sum is not their sum in one dtype)
-        return dict(stream_start=start, block_outputs=outputs)
+        return dict(stream_start=start, block_outputs=outputs, **extra)
 
     def _phase_two_inputs(self) -> tuple[Tensor, Tensor, list[Tensor]]:
         """Phase one's routed value and lse for the site about to run, and the sources added since."""
@@ -358,7 +378,7 @@ class DepthHistory:
         # a snapshot never replays the stream: it keeps no reference to the live history's streams
         # or outputs (the live list of outputs grows, and checkpointing holds snapshots until backward)
         view._replay = view._stream_next = view._stream_site = None
-        view._group_outputs = []
+        view._group_outputs, view._earlier = [], []
         if self.two_phase:
             index = self.n_appended
             if index not in self._inter:

@@ -1187,6 +1187,66 @@ def test_merge_route_norm_block_outputs_give_identical_gradients_and_are_saved_i
             reference.merge_route_norm(**ref_args, sources=[running], stream_start=start, block_outputs=outputs[::-1])
 
 
+# (earlier outputs, block outputs, heads, d, tokens, dtype): a block inside a span of two
+# (REPLAY_SPAN_BLOCKS) at its first site (no source: phase one saw every block) and later ones, at
+# split head widths (48 = 32 + 16 lanes) and whole ones (16); fp16, which the kernels do not
+# replay from earlier outputs (they save the running sum and the stream)
+EARLIER_OUTPUTS_CASES = [
+    (3, 0, 2, 96, 9, torch.bfloat16), (3, 2, 2, 96, 37, torch.bfloat16), (2, 3, 4, 64, 131, torch.bfloat16), (1, 1, 2, 64, 70, torch.float16),
+]
+
+
+@pytest.mark.parametrize(
+    "p,k,heads,d,tokens,dtype", EARLIER_OUTPUTS_CASES,
+    ids=[f"P{c[0]}-K{c[1]}-H{c[2]}-d{c[3]}-T{c[4]}-{str(c[5])[6:]}" for c in EARLIER_OUTPUTS_CASES],
+)
+def test_merge_route_norm_earlier_outputs_give_identical_gradients_and_are_saved_instead(p, k, heads, d, tokens, dtype):
+    """merge_route_norm with ``stream_start`` an earlier block's start and ``earlier_outputs`` the
+    outputs since, up to this block (the float32 stream is the start plus them, then plus the
+    block's outputs): output and every gradient bit-identical to passing the stream (and the
+    running sum) alone, and autograd keeps the earlier start and all the outputs instead of the
+    stream and the running sum (an fp16 running sum and the stream are kept as they are); the
+    reference checks the sum."""
+    g = torch.Generator().manual_seed(p + 10 * k + d)
+    shape = (tokens, d)
+    earlier = [(torch.randn(shape, generator=g) * 2 ** i).to(DEVICE, dtype) for i in range(p)]
+    outputs = [(torch.randn(shape, generator=g) * 4 ** i).to(DEVICE, dtype) for i in range(k)]
+    start = (100 * torch.randn(shape, generator=g)).to(DEVICE)
+    stream = start
+    for o in (*earlier, *outputs):
+        stream = stream + o
+    running = None
+    for o in outputs:
+        running = o if running is None else running + o
+    prior, prior_lse, query, gain, weight, gate, dy = merge_norm_side_inputs(g, tokens, d, heads, dtype)
+    results = []
+    for given in (False, True):
+        srcs = [running] if k else []
+        leaves = [x.detach().clone().requires_grad_() for x in (*srcs, query, gain, prior, prior_lse, weight, stream, gate)]
+        n = len(srcs)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = tr.merge_route_norm(
+                leaves[:n], leaves[n], leaves[n + 1], heads, leaves[n + 2], leaves[n + 3], leaves[n + 4], 1e-5, stream=leaves[n + 5],
+                gate=leaves[n + 6], stream_start=start if given else None, block_outputs=outputs if given and k else None,
+                earlier_outputs=earlier if given else None,
+            )
+        replayed = given and dtype != torch.float16
+        kept = [start, *earlier, *outputs] if replayed else [leaves[n + 5], *leaves[:n]]
+        dropped = [leaves[n + 5], *leaves[:n]] if replayed else [start, *earlier]
+        assert all(any(t is x for t in saved) for x in kept)
+        assert not any(t is x for t in saved for x in dropped)
+        results.append([y, *torch.autograd.grad(y, leaves, dy)])
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), i
+    ref_args = dict(query=query, gain=gain, heads=heads, prior_out=prior, prior_lse=prior_lse, norm_weight=weight, norm_eps=1e-5, stream=stream, gate=gate)
+    rebuilt = dict(sources=[running], block_outputs=outputs) if k else dict(sources=[])
+    reference.merge_route_norm(**ref_args, **rebuilt, stream_start=start, earlier_outputs=earlier)
+    if p > 1:  # the outputs in another order do not add up to the stream bit for bit
+        with pytest.raises(ValueError, match="stream_start plus earlier_outputs and"):
+            reference.merge_route_norm(**ref_args, **rebuilt, stream_start=start, earlier_outputs=earlier[::-1])
+
+
 @pytest.mark.parametrize("impl", [reference.merge_route_norm, tr.merge_route_norm], ids=["reference", "triton"])
 def test_merge_route_norm_refuses_bad_arguments(impl):
     v, q, gn = [torch.randn(3, 8, device=DEVICE)], torch.randn(8, device=DEVICE), torch.ones(8, device=DEVICE)
@@ -1220,6 +1280,11 @@ def test_merge_route_norm_refuses_bad_arguments(impl):
                   block_outputs=v[0]), "block_outputs must be a non-empty list .*got a Tensor"),
             (dict(stream=torch.randn(3, 8, device=DEVICE), gate=torch.randn(8, device=DEVICE), stream_start=torch.randn(3, 8, device=DEVICE),
                   block_outputs=[v[0], v[0].half()]), r"block_outputs\[1\] must be a tensor of the source's shape \(3, 8\), dtype torch.float32 .*dtype torch.float16"),
+            (dict(stream=torch.randn(3, 8, device=DEVICE), gate=torch.randn(8, device=DEVICE), earlier_outputs=v), "earlier_outputs is given without stream_start"),
+            (dict(stream=torch.randn(3, 8, device=DEVICE), gate=torch.randn(8, device=DEVICE), stream_start=torch.randn(3, 8, device=DEVICE),
+                  earlier_outputs=v[0]), "earlier_outputs must be a list of tensors, got a Tensor"),
+            (dict(stream=torch.randn(3, 8, device=DEVICE), gate=torch.randn(8, device=DEVICE), stream_start=torch.randn(3, 8, device=DEVICE),
+                  earlier_outputs=[v[0], torch.randn(3, 4, device=DEVICE)]), r"earlier_outputs\[1\] must be a floating tensor of the stream's shape \(3, 8\).*shape \(3, 4\)"),
         ]:
             args = dict(sources=v, query=q, gain=gn, heads=2, prior_out=prior, prior_lse=lse, norm_weight=w, norm_eps=1e-5, stream=None, gate=None, eps=1e-6)
             args.update(bad)
@@ -1247,17 +1312,17 @@ def test_fused_norm_model_matches_unfused_and_saves_less(request, monkeypatch, r
         calls = []
         monkeypatch.setattr(routing, "merge_route_norm", lambda *a, **k: calls.append(1) or original(*a, **k))
         model.zero_grad()
-        saved = []
+        saved = {}  # storage -> bytes: what autograd keeps alive, a tensor saved by several ops once
 
         def pack(t):
-            saved.append(t.untyped_storage().nbytes() if t.numel() else 0)
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() if t.numel() else 0
             return t
 
         with use_backend("triton"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
         loss.backward()
         assert len(calls) == (7 if fused else 0)  # every site (6 sublayers and the final one) when fused
-        results[fused] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved)
+        results[fused] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved.values())
     (loss0, grads0, bytes0), (loss1, grads1, bytes1) = results[False], results[True]
     torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
     for name in grads0:
@@ -1530,29 +1595,43 @@ def test_model_stream_sink_matches_autograd(monkeypatch, block_size):
 # outputs differ in dtype, and from block 2 on the merges cast their bf16 running sums to the
 # float32 of phase one's output: only sites 1, 2 and 4 replayed); blocks of 2, the final site (10)
 # joining the block of sites 8 and 9 (JOIN_FINAL_SITE): sites 1, 3, 5, 7, 9 and 10 replayed
+# (block size, dtype, what changes the stream, SINK_STREAM, d_model, REPLAY_SPAN_BLOCKS, streams no
+# longer saved). 11 sites: full routing in groups of 8 (+ 3); S = 3: blocks at sites 0, 3, 6, 9 (the
+# final site 10 in the last), spans of two blocks from sites 0 and 6; S = 2: blocks at 0, 2, 4, 6, 8
+# (8, 9, 10: the final site joins), spans from 0, 4, 8. The stream changed before site 4 (mid-block)
+# is saved there and at site 5, and the replay starts again at site 6; a float32 output at sublayer
+# 3 stops the replay where it is added (sites 4, 5) and, through phase one's float32 prior of the
+# blocks after, where a bf16 running sum meets it (7, 8, 10). In a float32 model the outputs count
+# too: a span keeps a block's last output (4 bytes per element there) for the stream it does not keep.
 REPLAY_MODEL_CASES = [
-    (1, torch.float32, None, True, 32, 9), (1, torch.bfloat16, None, True, 32, 0), (1, torch.float32, "stream", True, 32, 5),
-    (3, "autocast", None, True, 48, 7), (3, torch.float32, "stream", False, 32, 5), (3, torch.float32, "stream-in-place", True, 32, 5),
-    (3, "autocast", "float32-output", True, 32, 3), (2, torch.float32, None, True, 32, 6),
+    (1, torch.float32, None, True, 32, 2, 9), (1, torch.bfloat16, None, True, 32, 2, 0), (1, torch.float32, "stream", True, 32, 2, 5),
+    (3, "autocast", None, True, 48, 2, 9), (3, "autocast", None, True, 48, 1, 7), (3, torch.float32, "stream", False, 32, 2, 5),
+    (3, torch.float32, "stream-in-place", True, 32, 2, 5), (3, "autocast", "float32-output", True, 32, 2, 4),
+    (3, "autocast", "float32-output", True, 32, 1, 3), (2, "autocast", None, True, 32, 2, 8), (2, torch.float32, None, True, 32, 1, 6),
 ]
 
 
 @pytest.mark.parametrize(
-    "block_size,dtype,changed,sink,d_model,fewer", REPLAY_MODEL_CASES,
+    "block_size,dtype,changed,sink,d_model,span,fewer", REPLAY_MODEL_CASES,
     ids=["delta-full", "delta-full-bf16", "delta-full-stream-changed", "delta-block-S3-autocast-split-width",
-         "delta-block-S3-stream-changed-no-stream-sink", "delta-block-S3-stream-changed-in-place", "delta-block-S3-autocast-float32-output",
-         "delta-block-S2-final-site-joins"],
+         "delta-block-S3-autocast-split-width-span1", "delta-block-S3-stream-changed-no-stream-sink", "delta-block-S3-stream-changed-in-place",
+         "delta-block-S3-autocast-float32-output", "delta-block-S3-autocast-float32-output-span1", "delta-block-S2-autocast-final-site-joins",
+         "delta-block-S2-final-site-joins-span1"],
 )
-def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients(monkeypatch, block_size, dtype, changed, sink, d_model, fewer):
+def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients(
+    monkeypatch, block_size, dtype, changed, sink, d_model, span, fewer
+):
     """Delta routing with the stream replayed in the fused norms' backward (REPLAY_STREAM, the
     default) against saved: the same loss and bit-identical gradients, over one graph twice
     (retain_graph); autograd keeps one float32 stream per group of sites (2 for 11 sites in groups
-    of 8 in full routing, one per block in block routing), not one per site, where the stream is
-    float32 and made by DepthHistory.append since the group's first site; otherwise it saves the
-    site's stream (``fewer``: streams no longer saved)."""
+    of 8 in full routing; in block routing one per span of REPLAY_SPAN_BLOCKS blocks), not one per
+    site, where the stream is float32 and made by DepthHistory.append since the span's first site;
+    otherwise it saves the site's stream (``fewer``: float32 ``[B, T, d]`` tensors, streams, no
+    longer saved)."""
     from lit_mhar import routing
 
     monkeypatch.setattr(routing, "SINK_STREAM", sink)
+    monkeypatch.setattr(routing, "REPLAY_SPAN_BLOCKS", span)
     autocast = dtype == "autocast"
     dtype = torch.float32 if autocast else dtype
     model = tiny_model("delta", 4, block_size, n_layer=5, d_model=d_model).to(dtype)  # 11 sites
