@@ -490,7 +490,7 @@ def _route_fwd(
 
 
 def _route_bwd(
-    src_base, src_offs, n_src, n_rep, pre_offs, n_pre,
+    src_base, src_offs, n_src, n_rep, pre_offs,
     w_ptr, n_sites,
     g_base, g_offs,
     lse_ptr, dlse_ptr,
@@ -503,7 +503,7 @@ def _route_bwd(
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr, PF: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_DLSE: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
-    STREAM_ACC: tl.constexpr, REPLAY: tl.constexpr, REBUILD: tl.constexpr, SAVED_R: tl.constexpr,
+    STREAM_ACC: tl.constexpr, REPLAY: tl.constexpr, REBUILD: tl.constexpr, SAVED_R: tl.constexpr, N_PRE: tl.constexpr,
 ):
     # Source i's gradient goes to dsrc_base + dsrc_offs[i]; with ACC, sources i < n_acc add to it
     # acc_base + acc_offs[i] (a gradient sink's sum so far, see _route_bwd_sources). With
@@ -511,8 +511,8 @@ def _route_bwd(
     # With REPLAY (fused norm, additive form, a float32 stream) stream_ptr holds the stream at the
     # group's start and the stream is that plus the sources, added in order in float32 as the
     # forward's torch additions did (bit-identical), while pass one reads the sources anyway;
-    # n_pre > 0 earlier outputs (src_base + pre_offs[k], the sublayers between that start and the
-    # group's, in order) are added to it first.
+    # N_PRE > 0 earlier outputs (src_base + pre_offs[k], the sublayers between that start and the
+    # group's, in order) are added to it first (unrolled: their loads do not wait on each other).
     # With REBUILD too (block routing, n_src == 1) the table holds n_rep tensors, a block's outputs:
     # the one source is their running sum, rebuilt in both passes and rounded to the sources' dtype
     # after each addition as torch's additions round (bf16: to nearest even, on the bits, since
@@ -590,7 +590,7 @@ def _route_bwd(
             if DT > 0:
                 hs_t = tl.load(stream_ptr + x_off_t, mask=hmask, other=0.0).to(tl.float32)
             if REPLAY:  # from an earlier group's start: the outputs in between first, in order
-                for k in range(n_pre):
+                for k in tl.static_range(N_PRE):
                     p_off = tl.multiple_of(tl.load(pre_offs + k), ALIGN)
                     hs = hs + tl.load(src_base + p_off + x_off, mask=xmask, other=0.0).to(tl.float32)
                     if DT > 0:
@@ -1974,7 +1974,7 @@ def _backward(
     )
 
     head = (
-        base, _offsets(srcs, base), n_src, len(srcs), _offsets(earlier, base), len(earlier),
+        base, _offsets(srcs, base), n_src, len(srcs), _offsets(earlier, base),
         w, n_sites,
         grads[0], _offsets(grads, grads[0]),
         lse.contiguous(), grad_lse.contiguous() if grad_lse is not None else dummy,
@@ -1997,6 +1997,7 @@ def _backward(
     if rebuild and not flags["REBUILD"]:
         raise ValueError("triton depth routing: rebuilding a block's running sum needs the fused norm's replayed stream")
     flags["SAVED_R"] = saved_routed
+    flags["N_PRE"] = len(earlier)
     if saved_routed and (norm_weight is None or prior_out is None or flags["REBUILD"]):
         raise ValueError("triton depth routing: a saved routed value stands for the prior of a fused norm's merge (not a rebuilt block's)")
 
