@@ -330,7 +330,8 @@ def merge_route_norm(
             ``stream`` is ``stream_start`` plus these, then the sources (or ``block_outputs``),
             added one by one. The fused kernels save them instead of this group's start (in block
             routing, a block's start replayed from the block before it: 2 bytes per element
-            kept instead of 4), where they have the sources' dtype (else the stream is saved).
+            kept instead of 4), where they have the sources' and the prior's dtype (else the
+            stream is saved).
             Checked here (shapes, devices and the sum), otherwise unused.
 
     Returns:

@@ -2626,8 +2626,9 @@ def merge_route_norm(
     reads anyway; with ``block_outputs`` too, block routing, the block's outputs so far instead of
     its running sum and the stream: the backward kernel rebuilds the running sum, rounding after
     each addition as torch does, and the stream from them, where the running sum is bf16 or
-    float32 and read uncast; with ``earlier_outputs`` too, ``stream_start`` is an earlier group's
-    start and these outputs, saved, are added to it first), not the norm's input; the
+    float32 and read uncast; with ``earlier_outputs`` too, of the prior's and the sources' dtype,
+    ``stream_start`` is an earlier group's start and these outputs, saved, are added to it first),
+    not the norm's input; the
     weight's gradient is summed per persistent program and reduced in a fixed order (deterministic).
     With ``grad_sink`` the backward kernel adds the sources' gradients into the sink, and in the
     additive form the stream's where the sink collected the stream (:meth:`GradientSink.collect`);
@@ -2652,9 +2653,12 @@ def merge_route_norm(
         stream_start = block_outputs = None
     if earlier_outputs and (
         stream_start is None or (srcs and srcs[0] is not sources[0])
-        or any(o.dtype not in SUPPORTED_DTYPES or o.dtype != (srcs[0] if srcs else earlier_outputs[0]).dtype for o in earlier_outputs)
+        or any(o.dtype not in SUPPORTED_DTYPES or o.dtype != prior_out.dtype for o in earlier_outputs)
     ):
-        # the kernel reads them through the sources' offset table: their dtype, uncast; else the stream is saved
+        # the kernel reads them through the sources' offset table: the sources' dtype, uncast, and
+        # the prior's (on the GPU a float32 prior with bf16 outputs gave gradients off the saved
+        # stream's by float32 rounding, 7e-9 of 0.22: the width's sums in another register layout,
+        # BENCHMARKS.md, twentieth set); else the stream is saved
         stream_start = block_outputs = earlier_outputs = None
     return _route(
         srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False, norm_weight, float(norm_eps),
