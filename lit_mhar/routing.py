@@ -149,7 +149,7 @@ class DepthHistory:
         if group_size is not None and group_size < 1:
             raise ValueError(f"DepthHistory: group_size={group_size} must be >= 1 (or None for the default)")
         self.block_size = block_size
-        additive = bool(sites) and sites[0].gate is not None
+        additive = sites is not None and len(sites) > 0 and sites[0].gate is not None  # (len: dynamo of torch 2.11 cannot trace bool(list))
         self.group_size = group_size or (block_size if block_size > 1 else FULL_ROUTING_GROUP_ADDITIVE if additive else FULL_ROUTING_GROUP)
         self.partial: Optional[Tensor] = None
         self.n_appended = 0
