@@ -107,8 +107,10 @@ KNOBS = {
     "no-sink": {("lit_mhar.routing", "SINK_SOURCE_GRADIENTS"): False},  # autograd sums the source gradients (addition kernels)
     "no-stream-sink": {("lit_mhar.routing", "SINK_STREAM"): False},  # Delta: autograd sums the stream's gradients
     "save-stream": {("lit_mhar.routing", "REPLAY_STREAM"): False},  # Delta: each fused norm saves its float32 stream (full routing before the twelfth set, block before the thirteenth)
-    "replay-span-1": {("lit_mhar.routing", "REPLAY_SPAN_BLOCKS"): 1},  # Delta block: a float32 stream kept per block (before the twentieth set; the package: per span of 2 blocks)
-    "replay-span-4": {("lit_mhar.routing", "REPLAY_SPAN_BLOCKS"): 4},  # ... per span of 4 blocks
+    # Delta block: the stream replayed over spans of blocks while the earlier outputs number at most n (the package: 3, spans of
+    # two blocks at S = 2, 3; none from S = 4). The twentieth set measured spans of blocks (REPLAY_SPAN_BLOCKS, since replaced):
+    # its "replay-span-1" / "-4" are "replay-max-0" / "-9" at S = 3, its spans of two at S = 6 (350m) "replay-max-6"
+    **{f"replay-max-{n}": {("lit_mhar.routing", "REPLAY_SPAN_MAX_OUTPUTS"): n} for n in (0, 3, 6, 9)},
     "untuned": {(TR, "TUNED_TILES"): {}},  # tiles and warps by the general rule at every width (at 1b: the tiles before the fourteenth set)
     "bwd-add-rule": {(TR, "TUNED_TILES", ("bwd_add", 1280)): (2048, 4)},  # the additive merges' backward at 1b on the general rule's tile (one token, 4 warps): the default since the fourteenth set
     "dots-64": {(TR, "DOT_MAX_SOURCES"): 64},  # tensor-core tiles of at most 64 sources (before the fifteenth set: 1b full routing's last group on the vector kernels)

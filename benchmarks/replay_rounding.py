@@ -6,7 +6,7 @@ the replay twice (run to run) and without it, at d = 48 (head width 12: two colu
 lanes, ``SPLIT_WIDTH``) under bf16 autocast and in float32, padded (``SPLIT_WIDTH = False``), and
 at d = 32 (head width 8); and at d = 32 with a float32 output at sublayer 3 (a float32 block sum:
 phase one's prior is float32 in the blocks after it), with the stream replayed per block
-(``REPLAY_SPAN_BLOCKS = 1``) and over spans of two. Prints, per case, how many gradients differ and
+(``REPLAY_SPAN_MAX_OUTPUTS = 0``) and over spans of two (3). Prints, per case, how many gradients differ and
 the largest differences (absolute, with the gradient's largest magnitude). Needs CUDA. Run from
 outside the repository root with the package installed:
 
@@ -50,11 +50,11 @@ def main() -> int:
         print("replay_rounding.py needs CUDA", file=sys.stderr)
         return 2
     idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(8)).cuda()
-    cases = [(48, True, True, 2, False), (48, True, False, 2, False), (32, True, True, 2, False), (48, False, True, 2, False),
-             (32, True, True, 1, True), (32, True, True, 2, True)]
+    cases = [(48, True, True, 3, False), (48, True, False, 3, False), (32, True, True, 3, False), (48, False, True, 3, False),
+             (32, True, True, 0, True), (32, True, True, 3, True)]
     for d_model, autocast, split, span, float32_output in cases:
         tr.SPLIT_WIDTH = split
-        routing.REPLAY_SPAN_BLOCKS = span
+        routing.REPLAY_SPAN_MAX_OUTPUTS = span
         model = model_of(d_model)
         if float32_output:
             model.blocks[1].mlp.register_forward_hook(lambda module, args, out: out.float())
@@ -65,11 +65,11 @@ def main() -> int:
         for a, b in (("on", "on2"), ("on", "off")):
             diffs = [(n, (runs[a][1][n] - runs[b][1][n]).abs().max().item(), runs[b][1][n].abs().max().item()) for n in runs[b][1]]
             bad = [x for x in diffs if x[1] > 0]
-            print(f"d={d_model} autocast={autocast} split={split} span={span} float32_output={float32_output} {a} vs {b}: "
+            print(f"d={d_model} autocast={autocast} split={split} span_max_outputs={span} float32_output={float32_output} {a} vs {b}: "
                   f"loss equal {torch.equal(runs[a][0], runs[b][0])}; "
                   f"{len(bad)} of {len(diffs)} grads differ", bad[:6])
         routing.REPLAY_STREAM = True
-    routing.REPLAY_SPAN_BLOCKS = 2
+    routing.REPLAY_SPAN_MAX_OUTPUTS = 3
     return 0
 
 

@@ -99,13 +99,16 @@ SINK_STREAM = True
 # stream (as under autocast; the kernel adds in float32), not for activation checkpointing, whose
 # recomputed sublayers route from snapshots. A knob.
 REPLAY_STREAM = True
-# ... and in block routing, from the start of every REPLAY_SPAN_BLOCKS-th block: a block inside a
-# span replays its stream from the span's start plus the outputs of the blocks before it in the
-# span (merge_route_norm's earlier_outputs), so one float32 stream (4 bytes per element) is kept
-# per span instead of per block, for the bf16 last output (2 bytes) of each block but the span's
-# last, which nothing else keeps; the merges' backward reads those outputs again. 1: a stream per
-# block. (BENCHMARKS.md, twentieth set.) A knob.
-REPLAY_SPAN_BLOCKS = 2
+# ... and in block routing over spans of blocks: a block replays its stream from the start of the
+# block before it plus that block's outputs (merge_route_norm's earlier_outputs; and so on back)
+# while those outputs number at most REPLAY_SPAN_MAX_OUTPUTS, so that one float32 stream (4 bytes
+# per element) is kept per span instead of per block, for the bf16 last output (2 bytes) of each
+# block but the span's last, which nothing else keeps; each of the block's merges reads those
+# outputs again in its backward. 3: spans of two blocks at S = 2 or 3 (Delta block at 100m: peak
+# memory 1.040 against 1.052 x prenorm, tokens/s within 0.2-0.6%), none from S = 4 (at 350m, S = 6,
+# spans of two were 2% slower for 0.6% of the peak). 0: a stream per block. (BENCHMARKS.md,
+# twentieth set.) A knob.
+REPLAY_SPAN_MAX_OUTPUTS = 3
 
 
 class DepthHistory:
@@ -170,7 +173,7 @@ class DepthHistory:
         self._stream_next: Optional[tuple[Tensor, int]] = None
         self._stream_site: Optional[tuple[int, Tensor, int]] = None
         self._group_outputs: list[tuple[Tensor, int]] = []
-        self._earlier: list[tuple[Tensor, int]] = []  # outputs of the span's groups before this one (REPLAY_SPAN_BLOCKS)
+        self._earlier: list[tuple[Tensor, int]] = []  # outputs of the span's groups before this one (REPLAY_SPAN_MAX_OUTPUTS)
 
     def sources(self) -> list[Tensor]:
         """Sources visible to the next routing site, oldest first (N = 1 + completed + started)."""
@@ -201,8 +204,9 @@ class DepthHistory:
 
     def _span_starts(self, index: int) -> bool:
         """Whether the stream replay starts afresh at ``index``, the first site of a group: in
-        every group of full routing, at every ``REPLAY_SPAN_BLOCKS``-th block of block routing."""
-        return self.block_size == 1 or REPLAY_SPAN_BLOCKS <= 1 or (index // self.group_size) % REPLAY_SPAN_BLOCKS == 0
+        every group of full routing; in block routing where the span so far holds more than
+        ``REPLAY_SPAN_MAX_OUTPUTS`` outputs (those the block's merges would add first)."""
+        return self.block_size == 1 or len(self._earlier) > REPLAY_SPAN_MAX_OUTPUTS
 
     def append(self, output: Tensor, sublayer: int, stream: Optional[Tensor] = None) -> Optional[Tensor]:
         """Record the raw output ``[..., d]`` of sublayer ``sublayer`` (0-based, in order).
@@ -320,7 +324,7 @@ class DepthHistory:
 
     def _stream_replay(self, stream: Optional[Tensor], newer: Sequence[Tensor]) -> dict:
         """``merge_route_norm``'s ``stream_start`` (and in block routing ``block_outputs``, and
-        within a span of ``REPLAY_SPAN_BLOCKS`` blocks ``earlier_outputs``) for this site
+        inside a span of blocks, ``REPLAY_SPAN_MAX_OUTPUTS``, ``earlier_outputs``) for this site
         (REPLAY_STREAM): the stream at the start of the site's group (or span), where ``stream`` is
         it plus the sublayer outputs :meth:`append` added since, none of them changed in place
         since, which in full routing are the sources ``newer`` and in block routing are the span's

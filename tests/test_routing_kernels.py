@@ -1188,7 +1188,7 @@ def test_merge_route_norm_block_outputs_give_identical_gradients_and_are_saved_i
 
 
 # (earlier outputs, block outputs, heads, d, tokens, dtype, the prior's dtype): a block inside a
-# span of two (REPLAY_SPAN_BLOCKS) at its first site (no source: phase one saw every block) and
+# span (REPLAY_SPAN_MAX_OUTPUTS) at its first site (no source: phase one saw every block) and
 # later ones, at split head widths (48 = 32 + 16 lanes) and whole ones (16, 8); a float32 prior
 # (phase one over a float32 block sum) and fp16, which the kernels do not replay from earlier
 # outputs (they save the stream and the running sum)
@@ -1597,8 +1597,8 @@ def test_model_stream_sink_matches_autograd(monkeypatch, block_size):
 # outputs differ in dtype, and from block 2 on the merges cast their bf16 running sums to the
 # float32 of phase one's output: only sites 1, 2 and 4 replayed); blocks of 2, the final site (10)
 # joining the block of sites 8 and 9 (JOIN_FINAL_SITE): sites 1, 3, 5, 7, 9 and 10 replayed
-# (block size, dtype, what changes the stream, SINK_STREAM, d_model, REPLAY_SPAN_BLOCKS, streams no
-# longer saved). 11 sites: full routing in groups of 8 (+ 3); S = 3: blocks at sites 0, 3, 6, 9 (the
+# (block size, dtype, what changes the stream, SINK_STREAM, d_model, REPLAY_SPAN_MAX_OUTPUTS, streams
+# no longer saved). 11 sites: full routing in groups of 8 (+ 3); S = 3: blocks at sites 0, 3, 6, 9 (the
 # final site 10 in the last), spans of two blocks from sites 0 and 6; S = 2: blocks at 0, 2, 4, 6, 8
 # (8, 9, 10: the final site joins), spans from 0, 4, 8. The stream changed before site 4 (mid-block)
 # is saved there and at site 5, and the replay starts again at site 6; a float32 output at sublayer
@@ -1606,19 +1606,20 @@ def test_model_stream_sink_matches_autograd(monkeypatch, block_size):
 # blocks after, where a bf16 running sum or bf16 earlier outputs meet it (7, 8, 9, 10). In a float32 model the outputs count
 # too: a span keeps a block's last output (4 bytes per element there) for the stream it does not keep.
 REPLAY_MODEL_CASES = [
-    (1, torch.float32, None, True, 32, 2, 9), (1, torch.bfloat16, None, True, 32, 2, 0), (1, torch.float32, "stream", True, 32, 2, 5),
-    (3, "autocast", None, True, 48, 2, 9), (3, "autocast", None, True, 48, 1, 7), (3, torch.float32, "stream", False, 32, 2, 5),
-    (3, torch.float32, "stream-in-place", True, 32, 2, 5), (3, "autocast", "float32-output", True, 32, 2, 3),
-    (3, "autocast", "float32-output", True, 32, 1, 3), (2, "autocast", None, True, 32, 2, 8), (2, torch.float32, None, True, 32, 1, 6),
+    (1, torch.float32, None, True, 32, 3, 9), (1, torch.bfloat16, None, True, 32, 3, 0), (1, torch.float32, "stream", True, 32, 3, 5),
+    (3, "autocast", None, True, 48, 3, 9), (3, "autocast", None, True, 48, 0, 7), (3, "autocast", None, True, 48, 2, 7),
+    (3, torch.float32, "stream", False, 32, 3, 5), (3, torch.float32, "stream-in-place", True, 32, 3, 5),
+    (3, "autocast", "float32-output", True, 32, 3, 3), (3, "autocast", "float32-output", True, 32, 0, 3), (2, "autocast", None, True, 32, 3, 8),
+    (2, torch.float32, None, True, 32, 0, 6),
 ]
 
 
 @pytest.mark.parametrize(
     "block_size,dtype,changed,sink,d_model,span,fewer", REPLAY_MODEL_CASES,
     ids=["delta-full", "delta-full-bf16", "delta-full-stream-changed", "delta-block-S3-autocast-split-width",
-         "delta-block-S3-autocast-split-width-span1", "delta-block-S3-stream-changed-no-stream-sink", "delta-block-S3-stream-changed-in-place",
-         "delta-block-S3-autocast-float32-output", "delta-block-S3-autocast-float32-output-span1", "delta-block-S2-autocast-final-site-joins",
-         "delta-block-S2-final-site-joins-span1"],
+         "delta-block-S3-autocast-split-width-no-spans", "delta-block-S3-autocast-split-width-spans-of-2-outputs",
+         "delta-block-S3-stream-changed-no-stream-sink", "delta-block-S3-stream-changed-in-place", "delta-block-S3-autocast-float32-output",
+         "delta-block-S3-autocast-float32-output-no-spans", "delta-block-S2-autocast-final-site-joins", "delta-block-S2-final-site-joins-no-spans"],
 )
 def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients(
     monkeypatch, block_size, dtype, changed, sink, d_model, span, fewer
@@ -1626,14 +1627,14 @@ def test_model_stream_replay_saves_one_stream_per_group_with_identical_gradients
     """Delta routing with the stream replayed in the fused norms' backward (REPLAY_STREAM, the
     default) against saved: the same loss and bit-identical gradients, over one graph twice
     (retain_graph); autograd keeps one float32 stream per group of sites (2 for 11 sites in groups
-    of 8 in full routing; in block routing one per span of REPLAY_SPAN_BLOCKS blocks), not one per
+    of 8 in full routing; in block routing one per span of blocks, REPLAY_SPAN_MAX_OUTPUTS), not one per
     site, where the stream is float32 and made by DepthHistory.append since the span's first site;
     otherwise it saves the site's stream (``fewer``: float32 ``[B, T, d]`` tensors, streams, no
     longer saved)."""
     from lit_mhar import routing
 
     monkeypatch.setattr(routing, "SINK_STREAM", sink)
-    monkeypatch.setattr(routing, "REPLAY_SPAN_BLOCKS", span)
+    monkeypatch.setattr(routing, "REPLAY_SPAN_MAX_OUTPUTS", span)
     autocast = dtype == "autocast"
     dtype = torch.float32 if autocast else dtype
     model = tiny_model("delta", 4, block_size, n_layer=5, d_model=d_model).to(dtype)  # 11 sites
