@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the one-GPU machine, from the repository root, carrying .whl/ (fla-core, liger-kernel):
 # GPU kernel tests, generation at 350m, then per scale in $SCALES the routing op against its peers,
-# training throughput, tile tuning and a profile.
+# training throughput, tile tuning, the tensors alive at a step's peak memory (memory_phases.py --trace) and a profile.
 #   OUT=... SCALES="350m" STEPS="tests ncu tune_decode generate op train tune memory profile" bash benchmarks/device_kernels.sh
 set -uo pipefail
 R=$PWD

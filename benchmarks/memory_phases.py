@@ -6,7 +6,14 @@ the forward and the loss, the backward, the optimiser. During the backward it re
 allocated when each routing op's backward starts (``_RouteFunction.backward``, host order), so
 that the backward's profile by routing site can be read: its largest value and at which call.
 
+With ``--trace`` the measured step also runs under the CUDA allocator's history
+(``torch.cuda.memory._record_memory_history``, Python frames), and ``memory_peak_<scale>.md``
+gets, per variant, the tensors alive at the step's peak of allocated memory grouped by the line
+of this project's code that allocated them ("(autograd engine)" for what the backward allocated
+in C++), and whether the peak fell in the forward or the backward.
+
     python benchmarks/memory_phases.py --scale 350m --variants prenorm,delta-full-H8,delta-full-H8:save-stream --out OUT
+    python benchmarks/memory_phases.py --scale 100m --variants prenorm,delta-block8-H8 --trace --out OUT
 """
 
 from __future__ import annotations
@@ -27,26 +34,47 @@ FIELDS = ["scale", "variant", "fwd_peak_GiB", "after_fwd_GiB", "bwd_peak_GiB", "
 GiB = 2**30
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _project_path(path: str) -> str | None:
+    """``path`` relative to this project's code, or None for a file outside it: the installed
+    package (``.../site-packages/lit_mhar/...`` or a ``pip --target`` folder's ``lit_mhar/``), or
+    this checkout (``lit_mhar/``, ``kernels/``, ``benchmarks/`` ... under the repository root, not
+    its virtual environment)."""
+    if "-packages/" in path:
+        rest = path.split("-packages/", 1)[1]
+        return rest if rest.startswith("lit_mhar/") else None
+    if path.startswith(REPO + os.sep):
+        rest = path[len(REPO) + 1:]
+        return None if rest.startswith((".venv", "venv")) else rest
+    return "lit_mhar/" + path.split("/lit_mhar/", 1)[1] if "/lit_mhar/" in path else None
+
+
 def _label(frames: list) -> str:
     """Where an allocation came from: the innermost frame in this project's code (the package or
-    the benchmark), as ``path:line (function)``; "(autograd engine)" without a Python frame."""
+    the benchmark), as ``path:line (function)``; else the innermost frame's last two path parts;
+    "(autograd engine)" without a Python frame."""
     for f in frames:
-        path = f.get("filename", "")
-        for root in ("lit_mhar/", "benchmarks/"):
-            if root in path:
-                return f"{root}{path.split(root, 1)[1]}:{f.get('line')} ({f.get('name')})"
+        path = _project_path(f.get("filename", ""))
+        if path is not None:
+            return f"{path}:{f.get('line')} ({f.get('name')})"
     if not frames:
         return "(autograd engine)"
     f = frames[0]
-    return f"{f.get('filename', '?').rsplit('/', 2)[-1]}:{f.get('line')} ({f.get('name')})"
+    return f"{'/'.join(f.get('filename', '?').rsplit('/', 2)[-2:])}:{f.get('line')} ({f.get('name')})"
 
 
 def live_at_peak(events: list, forward_events: int) -> tuple[int, str, list[tuple[str, int, int]]]:
     """``(bytes, phase, groups)`` at the peak of the memory the recorded ``events`` (the
     allocator's trace of one device) allocated: the largest sum of blocks allocated and not yet
     freed, "forward" or "backward" by whether it falls in the first ``forward_events`` events, and
-    the blocks alive then as ``(label, bytes, count)``, largest first. Blocks allocated before the
-    recording started are not counted (they are the same in every phase)."""
+    the blocks alive then as ``(label, bytes, count)``, largest first. A block counts as freed at
+    its ``free_requested`` event, where ``torch.cuda.memory_allocated`` drops (its
+    ``free_completed`` may wait for another stream's use); a trace without such events counts
+    ``free_completed``. Blocks allocated before the recording started are not counted (they are
+    the same in every phase)."""
+    freed = "free_requested" if any(ev["action"] == "free_requested" for ev in events) else "free_completed"
     live, total, best, best_at = {}, 0, 0, -1
     for i, ev in enumerate(events):
         if ev["action"] == "alloc":
@@ -54,13 +82,13 @@ def live_at_peak(events: list, forward_events: int) -> tuple[int, str, list[tupl
             total += ev["size"]
             if total > best:
                 best, best_at = total, i
-        elif ev["action"] == "free_completed" and ev["addr"] in live:
+        elif ev["action"] == freed and ev["addr"] in live:
             total -= live.pop(ev["addr"])
     alive: dict[int, dict] = {}
     for ev in events[: best_at + 1]:
         if ev["action"] == "alloc":
             alive[ev["addr"]] = ev
-        elif ev["action"] == "free_completed":
+        elif ev["action"] == freed:
             alive.pop(ev["addr"], None)
     groups: dict[str, list[int]] = {}
     for ev in alive.values():
@@ -92,25 +120,28 @@ def phases(scale: str, name: str, trace: bool = False) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        if trace:
+        n_start = 0
+        if trace:  # (events from before, if a recording kept any, are not this step's: counted from n_start)
             torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=2_000_000)
-        loss = forward()
-        torch.cuda.synchronize()
-        fwd_peak, after_fwd = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
-        n_fwd = len(_events()) if trace else 0
-        torch.cuda.reset_peak_memory_stats()
-        tr._RouteFunction.backward = staticmethod(spy)
+            n_start = len(_events())
         try:
-            loss.backward()
+            loss = forward()
+            torch.cuda.synchronize()
+            fwd_peak, after_fwd = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+            n_fwd = len(_events()) if trace else 0
+            torch.cuda.reset_peak_memory_stats()
+            tr._RouteFunction.backward = staticmethod(spy)
+            try:
+                loss.backward()
+            finally:
+                tr._RouteFunction.backward = staticmethod(original)
+            torch.cuda.synchronize()
+            bwd_peak = torch.cuda.max_memory_allocated()
+            if trace:
+                peak_trace = live_at_peak(_events()[n_start:], n_fwd - n_start)
         finally:
-            tr._RouteFunction.backward = staticmethod(original)
-        torch.cuda.synchronize()
-        bwd_peak = torch.cuda.max_memory_allocated()
-        if trace:
-            events = _events()
-            torch.cuda.memory._record_memory_history(enabled=None)
-            peak_trace = live_at_peak(events, n_fwd)
-            del events
+            if trace:
+                torch.cuda.memory._record_memory_history(enabled=None)
         torch.cuda.reset_peak_memory_stats()
         update()
         torch.cuda.synchronize()
@@ -135,7 +166,7 @@ def trace_markdown(scale: str, name: str, row: dict, top: int = 25) -> str:
     lines = [
         f"### {scale} {name}", "",
         f"Peak in the {phase}: {best / GiB:.2f} GiB allocated during the step on top of {row['before_GiB']:.2f} GiB "
-        f"allocated before it (parameters, gradients, optimiser state).", "",
+        f"allocated before it (parameters, optimiser state, the inputs).", "",
         "| allocated by | GiB | tensors |", "|---|---|---|",
     ]
     lines += [f"| `{label}` | {b / GiB:.3f} | {c} |" for label, b, c in groups[:top]]

@@ -343,8 +343,8 @@ def merge_route_norm(
         ValueError: a shape, device, dtype, ``heads`` or epsilon that does not fit; ``stream``
             without ``gate`` or the reverse; ``stream_start`` without ``stream``, or one from
             which ``earlier_outputs`` and the sources (or ``block_outputs``) do not add up to
-            ``stream``; ``earlier_outputs`` without ``stream_start``, not a list, or with a tensor
-            of another shape or device than the stream;
+            ``stream``; ``earlier_outputs`` without ``stream_start``, not a list, or with an
+            entry that is not a floating tensor of the stream's shape and device;
             ``block_outputs`` without ``stream_start``, with other than one source, empty, of
             another shape, dtype or device than the source, or whose running sum is not the source.
     """

@@ -1956,7 +1956,10 @@ def _backward(
     earlier = [_aligned(o) for o in earlier_outputs]
     base = srcs[0] if srcs else earlier[0] if earlier else _aligned(prior_out)
     if earlier and (not stream_replay or any(o.dtype != base.dtype for o in earlier)):
-        raise ValueError("triton depth routing: earlier outputs belong to a replayed stream and take the sources' dtype")
+        raise ValueError(
+            f"triton depth routing: earlier outputs (dtypes {sorted({str(o.dtype) for o in earlier})}) need a replayed stream "
+            f"(stream_replay={stream_replay}) and the dtype of the sources' table, {base.dtype}"
+        )
     grads = [_aligned(g) for g in grad_outs]
     if any(g.dtype != grads[0].dtype for g in grads):
         grads = [_aligned(g.to(grads[0].dtype)) for g in grads]
@@ -2655,10 +2658,10 @@ def merge_route_norm(
         stream_start is None or (srcs and srcs[0] is not sources[0])
         or any(o.dtype not in SUPPORTED_DTYPES or o.dtype != prior_out.dtype for o in earlier_outputs)
     ):
-        # the kernel reads them through the sources' offset table: the sources' dtype, uncast, and
-        # the prior's (on the GPU a float32 prior with bf16 outputs gave gradients off the saved
-        # stream's by float32 rounding, 7e-9 of 0.22: the width's sums in another register layout,
-        # BENCHMARKS.md, twentieth set); else the stream is saved
+        # the kernel reads them off the sources' base pointer: the sources' dtype, uncast, and the
+        # prior's (on the GPU a float32 prior with bf16 outputs gave gradients off the saved
+        # stream's by float32 rounding, 7.5e-9 of 0.22, cause not established: BENCHMARKS.md,
+        # twentieth set); else the stream is saved
         stream_start = block_outputs = earlier_outputs = None
     return _route(
         srcs, query[None], gain[None], heads, eps, stream, gate, prior_out, prior_lse.float(), False, norm_weight, float(norm_eps),

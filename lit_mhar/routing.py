@@ -105,7 +105,7 @@ REPLAY_STREAM = True
 # per element) is kept per span instead of per block, for the bf16 last output (2 bytes) of each
 # block but the span's last, which nothing else keeps; each of the block's merges reads those
 # outputs again in its backward. 3: spans of two blocks at S = 2 or 3 (Delta block at 100m: peak
-# memory 1.040 against 1.052 x prenorm, tokens/s within 0.2-0.6%), none from S = 4 (at 350m, S = 6,
+# memory 1.040 against 1.052 x prenorm, tokens/s 0.3-0.7% lower), none from S = 4 (at 350m, S = 6,
 # spans of two were 2% slower for 0.6% of the peak). 0: a stream per block. (BENCHMARKS.md,
 # twentieth set.) A knob.
 REPLAY_SPAN_MAX_OUTPUTS = 3
@@ -165,10 +165,11 @@ class DepthHistory:
         # site -> (phase-one routed value, its lse, how many of self.blocks phase one covered)
         self._inter: dict[int, tuple[Tensor, Tensor, int]] = {}
         self._frozen = False  # a snapshot() for one site: read-only, routes that site any number of times
-        # the additive form's stream for REPLAY_STREAM: (first site of the group, its stream), the
-        # stream the last append() returned, (site, the stream track_stream() gave it), and the
-        # outputs appended since the group's first site; each with its version counter at the
-        # time, so that a tensor changed in place since (a hook's mul_) stops the replay
+        # the additive form's stream for REPLAY_STREAM: (first site of the span, its stream: in
+        # block routing a span may cover several groups, REPLAY_SPAN_MAX_OUTPUTS), the stream the
+        # last append() returned, (site, the stream track_stream() gave it), and the outputs
+        # appended since the group's first site; each with its version counter at the time, so
+        # that a tensor changed in place since (a hook's mul_) stops the replay
         self._replay: Optional[tuple[int, Tensor, int]] = None
         self._stream_next: Optional[tuple[Tensor, int]] = None
         self._stream_site: Optional[tuple[int, Tensor, int]] = None

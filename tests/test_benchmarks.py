@@ -49,7 +49,8 @@ def test_memory_peak_takes_the_blocks_alive_at_the_largest_sum(memory_phases):
     allocated them."""
     here = [{"filename": "/x/torch/nn/functional.py", "line": 9, "name": "rms_norm"},
             {"filename": "/tmp/site/lit_mhar/model.py", "line": 7, "name": "forward"}]
-    there = [{"filename": "/tmp/site/lit_mhar/kernels/sink.py", "line": 3, "name": "advance"}]
+    there = [{"filename": "/home/lit_mhar/.venv/lib/python3.12/site-packages/torch/autograd/function.py", "line": 5, "name": "apply"},
+             {"filename": "/usr/lib/python3/dist-packages/lit_mhar/kernels/sink.py", "line": 3, "name": "advance"}]
     events = [
         dict(action="alloc", addr=1, size=100, frames=here),
         dict(action="alloc", addr=2, size=50, frames=there),
@@ -66,3 +67,15 @@ def test_memory_peak_takes_the_blocks_alive_at_the_largest_sum(memory_phases):
     assert groups == [("(autograd engine)", 170, 1), ("lit_mhar/kernels/sink.py:3 (advance)", 50, 1), ("lit_mhar/model.py:7 (forward)", 30, 1)]
     best, phase, groups = memory_phases.live_at_peak(events[:4], forward_events=4)
     assert best == 180 and phase == "forward" and groups[0] == ("lit_mhar/model.py:7 (forward)", 130, 2)
+    # a free counts where it is requested (memory_allocated drops there), not where it completes
+    repo_frame = [{"filename": f"{memory_phases.REPO}/kernels/triton_routing.py", "line": 4, "name": "_new"}]
+    deferred = [
+        dict(action="alloc", addr=1, size=100, frames=repo_frame),
+        dict(action="free_requested", addr=1, size=100, frames=repo_frame),
+        dict(action="alloc", addr=2, size=60, frames=here),
+        dict(action="free_completed", addr=1, size=100, frames=repo_frame),
+        dict(action="free_requested", addr=2, size=60, frames=here),
+        dict(action="free_completed", addr=2, size=60, frames=here),
+    ]
+    assert memory_phases.live_at_peak(deferred, forward_events=6) == (100, "forward", [("kernels/triton_routing.py:4 (_new)", 100, 1)])
+    assert memory_phases._label([{"filename": "/a/b/torch/nn/functional.py", "line": 1, "name": "f"}]) == "nn/functional.py:1 (f)"

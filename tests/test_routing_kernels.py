@@ -1189,12 +1189,13 @@ def test_merge_route_norm_block_outputs_give_identical_gradients_and_are_saved_i
 
 # (earlier outputs, block outputs, heads, d, tokens, dtype, the prior's dtype): a block inside a
 # span (REPLAY_SPAN_MAX_OUTPUTS) at its first site (no source: phase one saw every block) and
-# later ones, at split head widths (48 = 32 + 16 lanes) and whole ones (16, 8); a float32 prior
-# (phase one over a float32 block sum) and fp16, which the kernels do not replay from earlier
-# outputs (they save the stream and the running sum)
+# later ones, at split head widths (48 = 32 + 16 lanes) and whole ones (16, 8); fp16 at a first
+# site (replayed: fp16 adds to the float32 stream exactly); a float32 prior (phase one over a
+# float32 block sum) and an fp16 running sum, which the kernels do not replay from earlier outputs
+# (they save the stream and the running sum: fp16's running sum is not rebuilt)
 EARLIER_OUTPUTS_CASES = [
     (3, 0, 2, 96, 9, torch.bfloat16, None), (3, 2, 2, 96, 37, torch.bfloat16, None), (2, 3, 4, 64, 131, torch.bfloat16, None),
-    (3, 0, 4, 32, 22, torch.bfloat16, torch.float32), (1, 1, 2, 64, 70, torch.float16, None),
+    (2, 0, 2, 64, 33, torch.float16, None), (3, 0, 4, 32, 22, torch.bfloat16, torch.float32), (1, 1, 2, 64, 70, torch.float16, None),
 ]
 
 
@@ -1207,8 +1208,8 @@ def test_merge_route_norm_earlier_outputs_give_identical_gradients_and_are_saved
     outputs since, up to this block (the float32 stream is the start plus them, then plus the
     block's outputs): output and every gradient bit-identical to passing the stream (and the
     running sum) alone, and autograd keeps the earlier start and all the outputs instead of the
-    stream and the running sum (with fp16 outputs or a prior of another dtype the stream and the
-    running sum are kept as they are); the reference checks the sum."""
+    stream and the running sum (with an fp16 running sum or a prior of another dtype the stream and
+    the running sum are kept as they are); the reference checks the sum."""
     g = torch.Generator().manual_seed(p + 10 * k + d)
     shape = (tokens, d)
     earlier = [(torch.randn(shape, generator=g) * 2 ** i).to(DEVICE, dtype) for i in range(p)]
@@ -1235,7 +1236,7 @@ def test_merge_route_norm_earlier_outputs_give_identical_gradients_and_are_saved
                 gate=leaves[n + 6], stream_start=start if given else None, block_outputs=outputs if given and k else None,
                 earlier_outputs=earlier if given else None,
             )
-        replayed = given and dtype != torch.float16 and prior_dtype is None
+        replayed = given and (dtype != torch.float16 or k == 0) and prior_dtype is None
         kept = [start, *earlier, *outputs] if replayed else [leaves[n + 5], *leaves[:n]]
         dropped = [leaves[n + 5], *leaves[:n]] if replayed else [start, *earlier]
         assert all(any(t is x for t in saved) for x in kept)
@@ -1317,7 +1318,8 @@ def test_fused_norm_model_matches_unfused_and_saves_less(monkeypatch, residual, 
         saved = {}  # storage -> bytes: what autograd keeps alive, a tensor saved by several ops once
 
         def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() if t.numel() else 0
+            ptr = t.untyped_storage().data_ptr()
+            saved[ptr] = max(saved.get(ptr, 0), t.untyped_storage().nbytes() if t.numel() else 0)
             return t
 
         with use_backend("triton"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -1586,25 +1588,22 @@ def test_model_stream_sink_matches_autograd(monkeypatch, block_size):
 
 
 # (block size, model dtype or bf16 autocast, what a forward hook changes, the stream's gradient in
-# the sink, width d, float32 [B, T, d] tensors no longer saved): full routing's replay, with a bf16
-# stream (not replayed: the kernel adds in float32), with the stream changed outside
-# DepthHistory.append before site 4 (sites 4-7 not replayed, the next group again); block routing
-# (S = 3: blocks start at sites 0, 3, 6, 9), where sites 1, 2, 4, 5, 7, 8, 10 no longer save their
-# stream (the outputs they save instead replace the running sums they saved): under autocast (bf16
-# running sums, rebuilt with bf16 rounding) at split head widths (48 / 4 = 8 + 4 lanes), in
-# float32 with the stream changed before site 4, out of place without the stream sink or in place
-# (sites 4 and 5 not replayed), and with sublayer 3's output in float32 under autocast (site 5's
-# outputs differ in dtype, and from block 2 on the merges cast their bf16 running sums to the
-# float32 of phase one's output: only sites 1, 2 and 4 replayed); blocks of 2, the final site (10)
-# joining the block of sites 8 and 9 (JOIN_FINAL_SITE): sites 1, 3, 5, 7, 9 and 10 replayed
-# (block size, dtype, what changes the stream, SINK_STREAM, d_model, REPLAY_SPAN_MAX_OUTPUTS, streams
-# no longer saved). 11 sites: full routing in groups of 8 (+ 3); S = 3: blocks at sites 0, 3, 6, 9 (the
-# final site 10 in the last), spans of two blocks from sites 0 and 6; S = 2: blocks at 0, 2, 4, 6, 8
-# (8, 9, 10: the final site joins), spans from 0, 4, 8. The stream changed before site 4 (mid-block)
-# is saved there and at site 5, and the replay starts again at site 6; a float32 output at sublayer
-# 3 stops the replay where it is added (sites 4, 5) and, through phase one's float32 prior of the
-# blocks after, where a bf16 running sum or bf16 earlier outputs meet it (7, 8, 9, 10). In a float32 model the outputs count
-# too: a span keeps a block's last output (4 bytes per element there) for the stream it does not keep.
+# the sink, width d, REPLAY_SPAN_MAX_OUTPUTS, float32 [B, T, d] tensors no longer saved); 11 sites.
+# Full routing (groups of 8 sites, and 3): replayed; a bf16 stream is not (the kernel adds in
+# float32); with the stream changed outside DepthHistory.append before site 4, sites 4-7 are not,
+# the next group is again. Block routing, S = 3 (blocks start at sites 0, 3, 6, 9; the final site
+# 10 joins the last): sites 1, 2, 4, 5, 7, 8, 10 save no stream (the outputs they save instead
+# replace the running sums they saved), and with spans of two blocks (at most 3 earlier outputs;
+# spans start at sites 0 and 6) sites 3 and 9 neither; under autocast (bf16 running sums, rebuilt
+# with bf16 rounding) at split head widths (48 / 4 = 8 + 4 lanes), with spans, without (0) and
+# with at most 2 earlier outputs (no span at S = 3); in float32 with the stream changed before
+# site 4, out of place without the stream sink or in place (sites 4 and 5 save it, a span starts
+# again at site 6; a span keeps a block's last output, float32 there, for the stream it does not
+# keep); with sublayer 3's output in float32 under autocast (a running sum or earlier outputs of
+# two dtypes are not replayed: site 4 with spans, 5; from block 2 on phase one's prior is float32,
+# and the merges cast their bf16 running sums to it or do not take bf16 earlier outputs: sites 7,
+# 8, 9, 10). Blocks of 2 (blocks start at sites 0, 2, 4, 6, 8, the final site 10 joining the block
+# of 8 and 9; spans start at 0, 4 and 8): under autocast with spans, in float32 without.
 REPLAY_MODEL_CASES = [
     (1, torch.float32, None, True, 32, 3, 9), (1, torch.bfloat16, None, True, 32, 3, 0), (1, torch.float32, "stream", True, 32, 3, 5),
     (3, "autocast", None, True, 48, 3, 9), (3, "autocast", None, True, 48, 0, 7), (3, "autocast", None, True, 48, 2, 7),
