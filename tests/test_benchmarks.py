@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -12,13 +13,17 @@ from lit_mhar.kernels import triton_routing as tr
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+def _benchmark_script(monkeypatch, name: str):
+    """The benchmark script ``name`` imported as a module, its folder on ``sys.path`` for the test
+    (the scripts import their siblings); yielded, then dropped from ``sys.modules``."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    yield importlib.import_module(name)
+    sys.modules.pop(name, None)
+
+
 @pytest.fixture
 def tune_tiles(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # tune_tiles imports bench_routing_op from its folder
-    import tune_tiles
-
-    yield tune_tiles
-    sys.modules.pop("tune_tiles", None)
+    yield from _benchmark_script(monkeypatch, "tune_tiles")
 
 
 def test_tune_tiles_kernel_settings_sets_restores_and_takes_none(tune_tiles):
@@ -35,11 +40,7 @@ def test_tune_tiles_kernel_settings_sets_restores_and_takes_none(tune_tiles):
 
 @pytest.fixture
 def memory_phases(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # memory_phases imports bench_training from its folder
-    import memory_phases
-
-    yield memory_phases
-    sys.modules.pop("memory_phases", None)
+    yield from _benchmark_script(monkeypatch, "memory_phases")
 
 
 def test_memory_peak_takes_the_blocks_alive_at_the_largest_sum(memory_phases):
