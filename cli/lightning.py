@@ -153,6 +153,17 @@ def _is_special_ckpt_path(ckpt_path: str) -> bool:
     return text.lower() == "registry" or text.lower().startswith("registry:")
 
 
+def check_trainer_limits(max_steps: Any, max_epochs: Any) -> None:
+    """Raises ValueError for a ``trainer.max_steps`` or ``trainer.max_epochs`` Lightning would
+    refuse only once the Trainer is built: each is -1 (no limit) or an integer >= 0 (max_epochs
+    may be None too). Used by the fit CLI before any data or model work."""
+    for name, value, unset in (("max_steps", max_steps, False), ("max_epochs", max_epochs, True)):
+        if value is None and unset:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ValueError(f"trainer.{name}={value!r} must be -1 (no limit) or an integer >= 0" + (" (or unset)" if unset else ""))
+
+
 def check_ckpt_path(ckpt_path: Any) -> None:
     """Raises FileNotFoundError when ``--ckpt_path`` names a local file that does not exist."""
     if not ckpt_path or not isinstance(ckpt_path, (str, os.PathLike)):
@@ -223,6 +234,7 @@ class LitMharCLI(LightningCLI):
       prefixed ``validate-``, ``test-`` or ``predict-`` for those commands (MLflow's random names
       repeat under a fixed seed: ``seed_everything`` seeds them);
     * ``fit --checkpoint.dirpath`` holding checkpoints is refused (:func:`check_checkpoint_dirpath`),
+      as is a ``trainer.max_steps`` or ``max_epochs`` below -1 (:func:`check_trainer_limits`),
       and ``validate`` / ``test`` / ``predict`` without ``--ckpt_path`` print a note that they run a fresh model.
     """
 
@@ -231,6 +243,7 @@ class LitMharCLI(LightningCLI):
         check_accelerator(config.get("trainer.accelerator"), config.get("trainer.devices"))
         check_ckpt_path(config.get("ckpt_path"))
         if self.subcommand == "fit":
+            check_trainer_limits(config.get("trainer.max_steps", -1), config.get("trainer.max_epochs"))
             check_checkpoint_dirpath(config.get("checkpoint.dirpath"))
         elif self.subcommand in ("validate", "test", "predict") and not config.get("ckpt_path"):
             print(f"[lit-mhar] note: {self.subcommand} without --ckpt_path runs a freshly initialised model", file=sys.stderr, flush=True)

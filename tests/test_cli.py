@@ -252,6 +252,28 @@ def test_missing_ckpt_path_fails_before_the_logger_and_run_folder_exist(tmp_path
         check_ckpt_path(special)  # Lightning resolves these itself
 
 
+def test_fit_refuses_negative_step_and_epoch_limits_before_any_work(tmp_path, monkeypatch, capsys):
+    """``--trainer.max_steps -5`` (Lightning refuses it only once the Trainer exists, with a
+    traceback): exit 2, one line naming the value and what is valid, before the data, the run
+    folder or the MLflow store exist. -1 (no limit), 0 and None (epochs) pass the check."""
+    from lit_mhar.cli.lightning import check_trainer_limits
+
+    monkeypatch.chdir(tmp_path)
+    for flag, value in (("--trainer.max_steps", "-5"), ("--trainer.max_epochs", "-2")):
+        monkeypatch.setattr(sys, "argv", ["lit-mhar", *fit_args(tmp_path / "data", tmp_path, flag, value)])
+        assert main() == 2
+        name = flag.split(".")[-1]
+        unset = " (or unset)" if name == "max_epochs" else ""
+        assert error_lines(capsys.readouterr().err) == [
+            f"lit-mhar fit: error: trainer.{name}={value} must be -1 (no limit) or an integer >= 0{unset} (LIT_MHAR_DEBUG=1 shows the traceback)"
+        ]
+        assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "data").exists()
+    for steps, epochs in ((-1, None), (0, -1), (7, 3)):
+        check_trainer_limits(steps, epochs)
+    with pytest.raises(ValueError, match="max_steps=None must be"):
+        check_trainer_limits(None, None)
+
+
 def test_fit_refuses_a_checkpoint_folder_that_holds_checkpoints_before_any_work(tmp_path, monkeypatch, capsys):
     """``--checkpoint.dirpath`` holding another run's ``last.ckpt``: exit 2 naming the folder and its
     checkpoints, before the data, the run folder or the MLflow store exist; the checkpoint is untouched.
