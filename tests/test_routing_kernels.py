@@ -1127,6 +1127,18 @@ def test_merge_route_norm_stream_start_gives_identical_gradients_and_saves_it(n,
             reference.merge_route_norm(**{**ref_args, "sources": sources[::-1] if n > 1 else [2 * sources[0]]}, stream_start=start)
 
 
+def merge_norm_saving(leaves, n, heads, **kw):
+    """``(y, saved)``: ``tr.merge_route_norm`` over ``leaves`` = (n sources, query, gain, prior,
+    prior_lse, norm weight, stream, gate) with ``kw``, and the tensors autograd saved for it."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = tr.merge_route_norm(
+            leaves[:n], leaves[n], leaves[n + 1], heads, leaves[n + 2], leaves[n + 3], leaves[n + 4], 1e-5, stream=leaves[n + 5],
+            gate=leaves[n + 6], **kw,
+        )
+    return y, saved
+
+
 # (block outputs, heads, d, tokens, their dtype): one output (the running sum is it), bf16 running
 # sums over several (rounded after each addition), float32, at split head widths (48 = 32 + 16
 # lanes) and whole ones (16), and fp16, which the kernels do not rebuild (they save the running
@@ -1161,12 +1173,7 @@ def test_merge_route_norm_block_outputs_give_identical_gradients_and_are_saved_i
     results = []
     for given in (False, True):
         leaves = [x.detach().clone().requires_grad_() for x in (running, query, gain, prior, prior_lse, weight, stream, gate)]
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            y = tr.merge_route_norm(
-                leaves[:1], leaves[1], leaves[2], heads, leaves[3], leaves[4], leaves[5], 1e-5, stream=leaves[6], gate=leaves[7],
-                stream_start=start if given else None, block_outputs=outputs if given else None,
-            )
+        y, saved = merge_norm_saving(leaves, 1, heads, stream_start=start if given else None, block_outputs=outputs if given else None)
         rebuilt = given and dtype != torch.float16
         kept = [start, *outputs] if rebuilt else [leaves[6], leaves[0]]
         dropped = [leaves[6], leaves[0]] if rebuilt else [start, *outputs[1:]]  # (outputs[0] is the running sum at k = 1)
@@ -1229,13 +1236,10 @@ def test_merge_route_norm_earlier_outputs_give_identical_gradients_and_are_saved
         srcs = [running] if k else []
         leaves = [x.detach().clone().requires_grad_() for x in (*srcs, query, gain, prior, prior_lse, weight, stream, gate)]
         n = len(srcs)
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            y = tr.merge_route_norm(
-                leaves[:n], leaves[n], leaves[n + 1], heads, leaves[n + 2], leaves[n + 3], leaves[n + 4], 1e-5, stream=leaves[n + 5],
-                gate=leaves[n + 6], stream_start=start if given else None, block_outputs=outputs if given and k else None,
-                earlier_outputs=earlier if given else None,
-            )
+        y, saved = merge_norm_saving(
+            leaves, n, heads, stream_start=start if given else None, block_outputs=outputs if given and k else None,
+            earlier_outputs=earlier if given else None,
+        )
         replayed = given and (dtype != torch.float16 or k == 0) and prior_dtype is None
         kept = [start, *earlier, *outputs] if replayed else [leaves[n + 5], *leaves[:n]]
         dropped = [leaves[n + 5], *leaves[:n]] if replayed else [start, *earlier]
