@@ -726,6 +726,37 @@ def _work_in_process(ctx: Context) -> None:
 # ----------------------------------------------------------------------------- the study
 
 
+STUDY_MARK_GRACE_S = 10.0  # how long an empty, unmarked study may wait for its creator's "initialising" mark
+
+
+def _await_sweep_study(study: Any, reload: Any, name: str, where: str) -> Any:
+    """``study`` (an existing Optuna study) once the lit-mhar sweep that created it has finished
+    initialising it (its ``spec`` user attribute set), reloading it with ``reload()`` every second.
+
+    Another ``sweep run`` may have created it an instant ago and not marked it yet: an empty study
+    without the "initialising" mark is given ``STUDY_MARK_GRACE_S`` seconds to get it.
+
+    Raises:
+        ValueError: the study holds trials but no lit-mhar mark, or stays unmarked past the grace
+            (not a lit-mhar sweep), or was marked "initialising" but not finished within 120 s.
+    """
+    start = time.time()
+    while ATTR + "spec" not in study.user_attrs:
+        if ATTR + "initialising" not in study.user_attrs:
+            if study.get_trials(deepcopy=False) or time.time() - start > STUDY_MARK_GRACE_S:
+                raise ValueError(
+                    f"study {name!r} exists in {where} but was not made by lit-mhar sweep; choose another study name (nothing was changed)"
+                )
+        elif time.time() - start > 120:
+            raise ValueError(
+                f"study {name!r} was created by {study.user_attrs[ATTR + 'initialising']} but never finished initialising; "
+                f"delete it (optuna delete-study --study-name {name} --storage URL) or choose another name"
+            )
+        time.sleep(1)
+        study = reload()
+    return study
+
+
 def _init_study(ctx_args: dict[str, Any], spec: SweepSpec, tracking: Tracking, storage: Any, sweep_text: str) -> tuple[Any, str, str, str, bool]:
     """Creates the study (and its MLflow parent run) or loads it and checks it is the same sweep.
 
@@ -770,20 +801,9 @@ def _init_study(ctx_args: dict[str, Any], spec: SweepSpec, tracking: Tracking, s
         study.set_user_attr(ATTR + "output_dir", str(Path(ctx_args["output_dir"]).absolute()))
         study.set_user_attr(ATTR + "spec", fingerprint)  # last: marks the study as ready
         return study, tracking_uri, experiment_id, parent_id, True
-    deadline = time.time() + 120
-    while ATTR + "spec" not in study.user_attrs:
-        if ATTR + "initialising" not in study.user_attrs:
-            raise ValueError(
-                f"study {name!r} exists in {redact(ctx_args['storage'])} but was not made by lit-mhar sweep; "
-                "choose another study name (nothing was changed)"
-            )
-        if time.time() > deadline:
-            raise ValueError(
-                f"study {name!r} was created by {study.user_attrs[ATTR + 'initialising']} but never finished initialising; "
-                f"delete it (optuna delete-study --study-name {name} --storage URL) or choose another name"
-            )
-        time.sleep(1)
-        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
+    study = _await_sweep_study(
+        study, lambda: optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner), name, redact(ctx_args["storage"])
+    )
     stored = study.user_attrs[ATTR + "spec"]
     if stored != fingerprint:
         differs = sorted(k for k in set(stored) | set(fingerprint) if stored.get(k) != fingerprint.get(k))

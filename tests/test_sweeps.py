@@ -539,3 +539,31 @@ def test_parent_run_gets_an_end_time_and_fails_when_no_trial_completed(tmp_path,
         assert _close_parent(client, run_id, status, study) == status
         info = client.get_run(run_id).info
         assert info.status == status and (info.end_time is None) == (status == "RUNNING")
+
+
+class _FakeStudy:
+    def __init__(self, attrs: dict, trials: int = 0) -> None:
+        self.user_attrs, self._trials = attrs, trials
+
+    def get_trials(self, deepcopy: bool = True) -> list:
+        return [object()] * self._trials
+
+
+def test_a_study_another_sweep_just_created_is_waited_for_until_it_is_marked(monkeypatch):
+    """Two ``sweep run`` commands creating one study: the second may load it before the first has
+    marked it "initialising"; an empty unmarked study is waited for (STUDY_MARK_GRACE_S), one with
+    trials and no mark is refused at once, and one that stays unmarked past the grace too."""
+    from lit_mhar.sweeps import runner
+
+    clock = [0.0]
+    monkeypatch.setattr(runner.time, "time", lambda: clock[0])
+    monkeypatch.setattr(runner.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    later = iter([_FakeStudy({}), _FakeStudy({runner.ATTR + "initialising": "host:1"}), _FakeStudy({runner.ATTR + "spec": {"a": 1}})])
+    done = runner._await_sweep_study(_FakeStudy({}), lambda: next(later), "s", "sqlite:///x.db")
+    assert done.user_attrs == {runner.ATTR + "spec": {"a": 1}} and clock[0] == 3.0
+    with pytest.raises(ValueError, match="'s' exists in sqlite:///x.db but was not made by lit-mhar sweep"):
+        runner._await_sweep_study(_FakeStudy({}, trials=2), lambda: pytest.fail("reloaded"), "s", "sqlite:///x.db")
+    clock[0] = 0.0
+    with pytest.raises(ValueError, match="not made by lit-mhar sweep"):
+        runner._await_sweep_study(_FakeStudy({}), lambda: _FakeStudy({}), "s", "sqlite:///x.db")
+    assert runner.STUDY_MARK_GRACE_S < clock[0] <= runner.STUDY_MARK_GRACE_S + 1
