@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the one-GPU machine, from the repository root, carrying .whl/ (fla-core, liger-kernel):
 # GPU kernel tests, generation at 350m, then per scale in $SCALES the routing op against its peers,
-# training throughput, tile tuning, the tensors alive at a step's peak memory (memory_phases.py --trace) and a profile.
-#   OUT=... SCALES="350m" STEPS="tests ncu tune_decode generate op train tune memory profile" bash benchmarks/device_kernels.sh
+# training throughput, tile tuning, the tensors alive at a step's peak memory (memory_phases.py --trace), the host's
+# time per step (host_profile.py) and a profile.
+#   OUT=... SCALES="350m" STEPS="tests ncu tune_decode generate op train tune memory host profile" bash benchmarks/device_kernels.sh
 set -uo pipefail
 R=$PWD
 OUT=${OUT:?}
@@ -54,6 +55,10 @@ for s in $SCALES; do
   if [[ " $STEPS " == *" memory "* ]]; then
     timeout ${MEMORY_TIMEOUT:-150} python3 "$R/benchmarks/memory_phases.py" --scale $s --variants ${MEMORY_VARIANTS:-prenorm,mhar-block8-H8,delta-block8-H8} --trace --out "$OUT" > "$OUT/memory-$s.log" 2>&1
     echo "memory $s exit $? at $SECONDS s"; cat "$OUT/memory_phases.csv"
+  fi
+  if [[ " $STEPS " == *" host "* ]]; then
+    (cd "$R/benchmarks" && timeout ${HOST_TIMEOUT:-200} python3 host_profile.py --scale $s --variants ${HOST_VARIANTS:-prenorm,mhar-block8-H8,delta-block8-H8} --out "$OUT") > "$OUT/host-$s.log" 2>&1
+    echo "host $s exit $? at $SECONDS s"; head -n 8 "$OUT/host_profile_$s.md" 2>/dev/null || tail -n 20 "$OUT/host-$s.log"
   fi
   if [[ " $STEPS " == *" profile "* ]]; then
     timeout ${PROFILE_TIMEOUT:-120} python3 "$R/benchmarks/profile_step.py" --scale $s --variants ${PROFILE_VARIANTS:-prenorm,mhar-block8-H8,mhar-full-H8} --out "$OUT" > "$OUT/profile-$s.log" 2>&1
