@@ -41,10 +41,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _project_frame(stack: list[traceback.FrameSummary]) -> str:
-    """The innermost frame of the project's code (the installed package or the checkout) in ``stack``."""
+    """The innermost frame of the project's code (the installed package or the checkout) in ``stack``;
+    else the innermost frame outside :mod:`warnings` (which reports the synchronisation)."""
+    stack = [f for f in stack if not f.filename.replace(os.sep, "/").endswith("/warnings.py")]  # the warning's own machinery
     for frame in reversed(stack):
         path = frame.filename.replace(os.sep, "/")
-        if "/lit_mhar/" in path and "/warnings.py" not in path:
+        if "/lit_mhar/" in path:
             return f"{path.split('/lit_mhar/')[-1]}:{frame.lineno} ({frame.name})"
     return f"{stack[-1].filename}:{stack[-1].lineno} ({stack[-1].name})" if stack else "?"
 

@@ -80,3 +80,36 @@ def test_memory_peak_takes_the_blocks_alive_at_the_largest_sum(memory_phases):
     ]
     assert memory_phases.live_at_peak(deferred, forward_events=6) == (100, "forward", [("kernels/triton_routing.py:4 (_new)", 100, 1)])
     assert memory_phases._label([{"filename": "/a/b/torch/nn/functional.py", "line": 1, "name": "f"}]) == "nn/functional.py:1 (f)"
+
+
+@pytest.fixture
+def host_profile(monkeypatch):
+    yield from _benchmark_script(monkeypatch, "host_profile")
+
+
+def test_host_profile_names_the_innermost_frame_of_the_project(host_profile):
+    """A synchronisation is attributed to the innermost frame of the project's code (installed or
+    checkout), not to torch's or the script's frames below or above it; with none, the innermost
+    frame outside the warnings module."""
+    import traceback
+
+    def frame(path, line, name):
+        return traceback.FrameSummary(path, line, name, lookup_line=False)
+
+    stack = [
+        frame("/work/benchmarks/host_profile.py", 90, "step"),
+        frame("/tmp/site/lit_mhar/model.py", 207, "forward"),
+        frame("/tmp/site/lit_mhar/kernels/triton_routing.py", 1861, "_forward"),
+        frame("/usr/lib/python3/site-packages/torch/cuda/__init__.py", 12, "synchronize"),
+    ]
+    assert host_profile._project_frame(stack) == "kernels/triton_routing.py:1861 (_forward)"
+    assert host_profile._project_frame(stack[:2]) == "model.py:207 (forward)"
+    warned = [stack[0], stack[3], frame("/usr/lib/python3.12/warnings.py", 110, "_showwarnmsg")]
+    assert host_profile._project_frame(warned).endswith("torch/cuda/__init__.py:12 (synchronize)")
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--top", "0"], ["--warmup", "-1"]])
+def test_host_profile_refuses_bad_counts_before_any_work(host_profile, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        host_profile.main(["--scale", "debug", *argv])
+    assert e.value.code == 2 and argv[0] in capsys.readouterr().err
