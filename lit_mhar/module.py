@@ -61,7 +61,9 @@ class LitLM(L.LightningModule):
     """Next-token language modelling for every residual variant (prenorm, AttnRes, MHAR, Delta, Hyper-Connections).
 
     Batches are int64 token ids ``[B, T + 1]``; inputs are the first T, targets the last T.
-    Logs ``train/loss``, ``val/loss`` (the validation loss, nats per token), ``perf/tokens_per_s``,
+    Logs ``train/loss`` (every step's, written at the loggers' steps; the progress bar shows it as
+    ``loss`` every ``log_every_n_steps`` steps, so that no step waits for the GPU),
+    ``val/loss`` (the validation loss, nats per token), ``perf/tokens_per_s``,
     ``perf/mfu`` (on GPUs with a known peak; FLOPs from :meth:`LM.flops_per_token`),
     ``perf/peak_memory_gb`` (``torch.cuda.max_memory_allocated``) and, every
     ``routing_log_every_n_steps`` steps, ``routing/site_XX/max_weight`` and ``.../entropy``.
@@ -144,6 +146,7 @@ class LitLM(L.LightningModule):
         self._window_start: Optional[float] = None
         self._window_tokens = self._window_batches = 0
         self._window_shape: tuple[torch.device, int] = (torch.device("cpu"), 0)  # device and sequence length of the last batch
+        self._bar_step: Optional[int] = None  # the optimizer step whose train/loss the progress bar shows
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits ``[B, T, V]`` for token ids ``[B, T]``."""
@@ -156,7 +159,10 @@ class LitLM(L.LightningModule):
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the mean over ranks: the global batch's loss
+        # The mean over ranks (the global batch's loss), to the loggers only: Lightning reads a value
+        # shown in the progress bar back to the host at every step (.item(), which waits for the
+        # GPU to finish all queued work), so the bar shows it as "loss", read at the loggers' steps.
+        self.log("train/loss", loss, sync_dist=True)
         every = self.hparams.routing_log_every_n_steps
         if self.config.routed and every and self.global_step % every == 0:
             self._log_routing(batch[:, :-1])
@@ -177,6 +183,18 @@ class LitLM(L.LightningModule):
         self._window_shape = (batch.device, batch.shape[1] - 1)
         if self._window_start is None or self._window_batches >= self.trainer.log_every_n_steps * self.trainer.accumulate_grad_batches:
             self._close_window()
+        # at the loggers' steps, where Lightning reads train/loss back for them anyway (and at the first)
+        step = self.global_step
+        if step != self._bar_step and (step % self.trainer.log_every_n_steps == 0 or self._bar_step is None):
+            self._show_loss()
+
+    def _show_loss(self) -> None:
+        """Shows the latest ``train/loss`` in the progress bar as ``loss``: a value on the host, which
+        Lightning can read back at every step without waiting for the GPU."""
+        loss = self.trainer.callback_metrics.get("train/loss")
+        if loss is not None:
+            self.log("loss", torch.tensor(float(loss)), prog_bar=True, logger=False)
+        self._bar_step = self.global_step
 
     def on_validation_start(self) -> None:
         # the batches since the last window end are measured before validation time enters them

@@ -153,3 +153,91 @@ def test_throughput_is_logged_when_validation_comes_before_a_full_window(tmp_pat
     with open(next(tmp_path.rglob("metrics.csv"))) as f:
         logged = [int(r["step"]) for r in csv.DictReader(f) if r.get("perf/tokens_per_s")]
     assert len(logged) >= 3 and len(set(logged)) == len(logged), logged
+
+
+def test_progress_bar_shows_the_loss_read_at_logging_steps_not_a_tensor_every_step(tmp_path):
+    """Lightning reads every progress-bar value back to the host at every step (``.item()``, which on
+    a GPU waits for all queued work): train/loss goes to the loggers only, and the bar's ``loss`` is
+    a host value taken at the loggers' steps (and the first), equal to train/loss logged there."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    torch.manual_seed(0)
+    m = LitLM(ModelConfig.from_name("debug", n_layer=1, d_model=32, n_head=2, n_kv_head=1, ffn_dim=32, vocab_size=64, seq_len=16), warmup_steps=1)
+    loader = torch.utils.data.DataLoader(torch.randint(0, 64, (64, 17)), batch_size=2)
+
+    class Bar(L.Callback):
+        """The bar's values after each training batch, as Lightning's progress bar reads them (a
+        callback's batch-end hook runs before the module's: it sees the batch before's values)."""
+
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx:
+                self.seen.append(dict(trainer.progress_bar_metrics))
+
+        def on_train_end(self, trainer, pl_module):
+            self.seen.append(dict(trainer.progress_bar_metrics))
+
+    bar = Bar()
+    trainer = L.Trainer(max_steps=9, log_every_n_steps=4, logger=CSVLogger(tmp_path), enable_checkpointing=False, callbacks=[bar],
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(m, loader)
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        logged = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+    assert sorted(logged) == [3, 7], logged
+    assert all("train/loss" not in seen for seen in bar.seen), "a tensor of every step is in the progress bar"
+    # batches 1 to 9: the first shows its own loss, 4 and 8 the loss the loggers got (steps 3 and 7)
+    shown = [seen.get("loss") for seen in bar.seen]
+    assert len(shown) == 9 and all(isinstance(v, float) for v in shown), shown
+    assert shown[3] == pytest.approx(logged[3]) and shown[7] == pytest.approx(logged[7])
+    assert shown[4:7] == [shown[3]] * 3 and shown[8] == shown[7] and shown[1:3] == [shown[0]] * 2 and shown[0] != shown[3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_training_steps_between_logging_steps_never_wait_for_the_gpu(tmp_path):
+    """On a GPU a training batch that neither ends a throughput window nor reaches the loggers
+    enqueues its work without one synchronisation (``torch.cuda.set_sync_debug_mode``), so the host
+    can run ahead of the GPU; the read-backs at the loggers' steps are seen by the same check."""
+    import warnings
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    syncs: dict[int, int] = {}
+
+    class Watch(L.Callback):
+        batch = None  # the batch whose work (and end-of-batch logging) is being enqueued
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            Watch.batch = batch_idx
+            syncs.setdefault(batch_idx, 0)
+            torch.cuda.set_sync_debug_mode("warn")
+
+        def on_train_end(self, trainer, pl_module):
+            torch.cuda.set_sync_debug_mode(0)
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if Watch.batch is not None and "synchroniz" in str(message):
+            syncs[Watch.batch] += 1
+
+    cfg = ModelConfig.from_name("debug", residual="attnres", heads=2, block_size=2, n_layer=2, vocab_size=64, seq_len=16)
+    m = LitLM(cfg, warmup_steps=1, routing_log_every_n_steps=0)
+    loader = torch.utils.data.DataLoader(torch.randint(0, 64, (64, 17)), batch_size=2, pin_memory=True)
+    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=12, log_every_n_steps=4, logger=CSVLogger(tmp_path), callbacks=[Watch()],
+                        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    shown = warnings.showwarning
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            trainer.fit(m, loader)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = shown
+    # batch indices: throughput windows end at 0, 4, 8; the loggers and the progress bar read back at 3, 7, 11
+    quiet = [b for b in range(12) if b not in (0, 3, 4, 7, 8, 11)]
+    assert all(syncs[b] == 0 for b in quiet), syncs
+    assert all(syncs[b] > 0 for b in (3, 7, 11)), syncs
