@@ -9,10 +9,11 @@ warm-up steps, this script
 2. runs one step under ``torch.cuda.set_sync_debug_mode("warn")`` and lists the distinct places
    where the host waited for the GPU (a copy to the host, ``.item()``, a pageable copy), by the
    innermost frame of the project's code;
-3. runs one step under :mod:`cProfile` (the calling thread: the forward and the update; CUDA's
-   backward runs Python functions' backward on autograd's device thread, which it does not see)
-   and one under ``torch.profiler`` (CPU activity of every thread, so the backward's autograd nodes
-   too), and keeps the rows with the most own time.
+3. runs one step under :mod:`cProfile` (the Python functions run on the calling thread; a backward
+   run on one of autograd's own threads would be missing there) and one under ``torch.profiler``
+   (CPU activity of every thread), and keeps the rows with the most own time. A synchronisation
+   inside the backward is reported when ``backward()`` returns, so it is attributed to torch's
+   frames, not to the routing op's.
 
     python benchmarks/host_profile.py --scale 350m --variants prenorm,mhar-block8-H8 --out results/
 
@@ -40,14 +41,25 @@ from bench_training import DEVICE, SCALES, knobs, split_variant, training_parts
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _project_frame(stack: list[traceback.FrameSummary]) -> str:
-    """The innermost frame of the project's code (the installed package or the checkout) in ``stack``;
-    else the innermost frame outside :mod:`warnings` (which reports the synchronisation)."""
+# the package's folders of a checkout outside lit_mhar/ (pyproject.toml maps lit_mhar.kernels to kernels/, and so on)
+CHECKOUT_PACKAGES = ("kernels/", "cli/", "sweeps/")
+
+
+def _project_frame(stack: list[traceback.FrameSummary], root: str = ROOT) -> str:
+    """The innermost frame of the project's code in ``stack`` (the installed package, or a checkout
+    at ``root``), as a path inside the package; else the innermost frame outside :mod:`warnings`
+    (which reports the synchronisation)."""
+    root = root.replace(os.sep, "/").rstrip("/") + "/"
     stack = [f for f in stack if not f.filename.replace(os.sep, "/").endswith("/warnings.py")]  # the warning's own machinery
     for frame in reversed(stack):
         path = frame.filename.replace(os.sep, "/")
         if "/lit_mhar/" in path:
-            return f"{path.split('/lit_mhar/')[-1]}:{frame.lineno} ({frame.name})"
+            inside = path.split("/lit_mhar/")[-1]
+        elif path.startswith(root) and path[len(root):].startswith(CHECKOUT_PACKAGES):
+            inside = path[len(root):]
+        else:
+            continue
+        return f"{inside}:{frame.lineno} ({frame.name})"
     return f"{stack[-1].filename}:{stack[-1].lineno} ({stack[-1].name})" if stack else "?"
 
 
@@ -149,8 +161,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.top < 1:
-        ap.error(f"--steps {args.steps} and --top {args.top} must be >= 1, --warmup {args.warmup} >= 0")
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--top", args.top, 1)):
+        if value < least:
+            ap.error(f"{flag} {value}: must be >= {least}")
     names = args.variants.split(",")
     for name in names:
         split_variant(name)  # an unknown variant or knob stops here, before any work

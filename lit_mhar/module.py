@@ -175,6 +175,9 @@ class LitLM(L.LightningModule):
         for logger in self.loggers:
             logger.log_hyperparams(resolved)
 
+    def on_train_start(self) -> None:
+        self._bar_step = None  # each fit shows its first step's loss
+
     def on_train_batch_end(self, outputs: Any, batch: Tensor, batch_idx: int) -> None:
         # Throughput over windows of log_every_n_steps optimizer steps, synchronising only at window
         # ends so the GPU queue is not drained every step; a validation ends the window early.
@@ -184,8 +187,8 @@ class LitLM(L.LightningModule):
         if self._window_start is None or self._window_batches >= self.trainer.log_every_n_steps * self.trainer.accumulate_grad_batches:
             self._close_window()
         # at the loggers' steps, where Lightning reads train/loss back for them anyway (and at the first)
-        step = self.global_step
-        if step != self._bar_step and (step % self.trainer.log_every_n_steps == 0 or self._bar_step is None):
+        step, every = self.global_step, self.trainer.log_every_n_steps
+        if step != self._bar_step and (self._bar_step is None or self.trainer.fast_dev_run or (every and step % every == 0)):
             self._show_loss()
 
     def _show_loss(self) -> None:

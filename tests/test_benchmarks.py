@@ -106,10 +106,16 @@ def test_host_profile_names_the_innermost_frame_of_the_project(host_profile):
     assert host_profile._project_frame(stack[:2]) == "model.py:207 (forward)"
     warned = [stack[0], stack[3], frame("/usr/lib/python3.12/warnings.py", 110, "_showwarnmsg")]
     assert host_profile._project_frame(warned).endswith("torch/cuda/__init__.py:12 (synchronize)")
+    # a checkout (editable install): lit_mhar.kernels lives in kernels/ beside lit_mhar/
+    checkout = [stack[0], frame("/src/repo/lit_mhar/routing.py", 320, "route_norm"), frame("/src/repo/kernels/triton_routing.py", 2022, "_backward"), stack[3]]
+    assert host_profile._project_frame(checkout, root="/src/repo") == "kernels/triton_routing.py:2022 (_backward)"
+    assert host_profile._project_frame(checkout[:2], root="/src/repo") == "routing.py:320 (route_norm)"
+    assert host_profile._project_frame([stack[0], stack[3]], root="/work").endswith("(synchronize)")  # benchmarks/ is not the package
 
 
 @pytest.mark.parametrize("argv", [["--steps", "0"], ["--top", "0"], ["--warmup", "-1"]])
 def test_host_profile_refuses_bad_counts_before_any_work(host_profile, argv, capsys):
     with pytest.raises(SystemExit) as e:
         host_profile.main(["--scale", "debug", *argv])
-    assert e.value.code == 2 and argv[0] in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{argv[0]} {argv[1]}: must be" in err

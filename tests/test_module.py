@@ -241,3 +241,26 @@ def test_training_steps_between_logging_steps_never_wait_for_the_gpu(tmp_path):
     quiet = [b for b in range(12) if b not in (0, 3, 4, 7, 8, 11)]
     assert all(syncs[b] == 0 for b in quiet), syncs
     assert all(syncs[b] > 0 for b in (3, 7, 11)), syncs
+
+
+def test_progress_bar_loss_with_logging_off_fast_dev_run_and_a_second_fit():
+    """log_every_n_steps=0 (Lightning's "never log"): the bar shows the first step's loss and fit
+    does not fail; fast_dev_run logs every step, and so does the bar; a second fit of the same
+    module shows its own first step, not the loss the first fit left there."""
+    torch.manual_seed(0)
+    m = LitLM(ModelConfig.from_name("debug", n_layer=1, d_model=32, n_head=2, n_kv_head=1, ffn_dim=32, vocab_size=64, seq_len=16), warmup_steps=1)
+    loader = torch.utils.data.DataLoader(torch.randint(0, 64, (16, 17)), batch_size=2)
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    shown = []
+
+    class Bar(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            shown.append(trainer.progress_bar_metrics.get("loss"))
+
+    first = L.Trainer(max_steps=3, log_every_n_steps=0, callbacks=[Bar()], **quiet)
+    first.fit(m, loader)
+    assert shown[0] is None and shown[1] == shown[2] and shown[1] == first.progress_bar_metrics["loss"]
+    shown.clear()
+    dev = L.Trainer(fast_dev_run=3, callbacks=[Bar()], **quiet)
+    dev.fit(m, loader)
+    assert shown[0] is None and None not in shown[1:] and len({shown[1], shown[2], dev.progress_bar_metrics["loss"]}) == 3, shown
