@@ -1634,6 +1634,17 @@ def _decode_route_norm(
 # ----------------------------------------------------------------------------------------------
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the host's launch arithmetic (``triton.cdiv`` goes through Triton's
+    constexpr-function wrapper, about 1.5 us a call with triton 3.9: hundreds of calls a step)."""
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (0 for 0), as ``triton.next_power_of_2`` on the host."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(name: str, interpret: bool):
     """The kernel ``name`` compiled for CUDA, or wrapped for Triton's interpreter (CPU tensors).
@@ -1704,7 +1715,7 @@ def _resident_programs(name: str, device: torch.device, args: tuple, kwargs: dic
 
 def _geometry(d: int, heads: int) -> tuple[int, int, int]:
     """(BH, BDH, padded width) of the [heads, d/heads] register layout. Raises for too wide a d."""
-    bh, bdh = triton.next_power_of_2(heads), triton.next_power_of_2(d // heads)
+    bh, bdh = _pow2(heads), _pow2(d // heads)
     if bh * bdh > MAX_BLOCK_D:
         raise ValueError(
             f"triton depth routing: width d={d} with heads={heads} pads to {bh * bdh} lanes per token, "
@@ -1731,7 +1742,7 @@ def _tile(kind: str, n_sites: int, d: int, heads: int, interpret: bool) -> tuple
     """(BS, BM, num_warps, BH, BDH, DT) for a launch of a training kernel (:func:`_lanes`); raises
     ValueError for an unsupported size."""
     bh, bdh, dt, bd = _lanes(d, heads)
-    bs = triton.next_power_of_2(n_sites)
+    bs = _pow2(n_sites)
     if bs * bd > MAX_TILE_ELEMENTS:
         raise ValueError(
             f"triton depth routing: {n_sites} sites at width d={d} (heads={heads}) in one pass need "
@@ -1842,7 +1853,7 @@ def _forward(
         bs_dot, bn_dot, bm_dot = _dot_tile(n_sites, n_src, d // heads)
         w_hi = w.to(torch.bfloat16)
         w_lo = (w - w_hi.float()).to(torch.bfloat16)
-        tiles = triton.cdiv(M, bm_dot)
+        tiles = _cdiv(M, bm_dot)
         dhp, dt_dot = _dot_lanes(d // heads)
         flags = dict(
             D=d, H=heads, DH=d // heads, DHP=dhp, DT=dt_dot, BS=bs_dot, BN=bn_dot, BM=bm_dot,
@@ -1858,7 +1869,7 @@ def _forward(
         progs = _dot_programs("fwd_sites_dot", like.device, tiles, 1, args, flags)
         _kernel("fwd_sites_dot", interpret)[(progs,)](*args(progs), **flags)
         return [*outs, lse, scores, rstd]
-    _kernel("fwd", interpret)[(triton.cdiv(M, bm) * triton.cdiv(n_sites, group),)](
+    _kernel("fwd", interpret)[(_cdiv(M, bm) * _cdiv(n_sites, group),)](
         base, _offsets(srcs, base), n_src,
         w, n_sites,
         outs[0], _offsets(outs, outs[0]),
@@ -1951,7 +1962,7 @@ def _backward(
         return [*_backward_site_loop(sources, queries, gains, heads, eps, gate, lse, grad_outs, grad_lse, rstd, sink), *empty]
     # the additive form (its stream and gate) is a tile kind of its own: it holds more per token
     bs, bm, warps, bh, bdh, dt = _tile("bwd" if gate is None else "bwd_add", n_sites, d, heads, interpret)
-    num_tiles = triton.cdiv(M, bm)
+    num_tiles = _cdiv(M, bm)
     srcs = [_aligned(s) for s in sources]
     earlier = [_aligned(o) for o in earlier_outputs]
     base = srcs[0] if srcs else earlier[0] if earlier else _aligned(prior_out)
@@ -2106,7 +2117,7 @@ def _dot_launch(name: str, bm: int, bn: int) -> dict:
 def _dot_width(head_width: int) -> int:
     """The head width the tensor-core kernels compute on: the next power of two, at least 16 (the
     smallest ``tl.dot`` operand); the padding columns are masked off."""
-    return max(16, triton.next_power_of_2(head_width))
+    return max(16, _pow2(head_width))
 
 
 def _dot_lanes(head_width: int) -> tuple[int, int]:
@@ -2127,7 +2138,7 @@ def _dot_tile(n_sites: int, n_src: int, head_width: int) -> tuple[int, int, int]
     sources or sites alone are more (up to ``DOT_MAX_SOURCES``: a tile of one token), and sites or
     sources padded further where a token's rows alone are fewer than 16 (the smallest ``tl.dot``
     operand)."""
-    bs, bn = triton.next_power_of_2(n_sites), triton.next_power_of_2(n_src)
+    bs, bn = _pow2(n_sites), _pow2(n_src)
     rows = min(DOT_TILE_ELEMENTS // _dot_width(head_width), DOT_MAX_ROWS)
     bm = max(1, rows // max(bs, bn))
     return max(bs, 16 // bm), max(bn, 16 // bm), bm
@@ -2169,7 +2180,7 @@ def _backward_site_loop(
     n_groups = n_sites // group
     _, bm, warps, bh, bdh, dt = _tile("bwd_stats", group, d, heads, interpret)
     _, bm_src, warps_src, _, _, _ = _tile("bwd_sources", 1, d, heads, interpret)
-    num_tiles = triton.cdiv(M, bm)
+    num_tiles = _cdiv(M, bm)
     srcs = [_aligned(s) for s in sources]
     base = srcs[0]
     grads = [_aligned(g) for g in grad_outs]
@@ -2206,13 +2217,13 @@ def _backward_site_loop(
         per_group = min(num_tiles, 2)
     else:
         resident = _resident_programs("bwd_stats", device, stats_args(w, w, max(1, 32 // warps)), flags)
-        per_group = min(num_tiles, triton.cdiv(_sm_count(device.index or 0) * resident, n_groups))
+        per_group = min(num_tiles, _cdiv(_sm_count(device.index or 0) * resident, n_groups))
     if on_dots:
         # pass one on tensor cores: program (p, h) takes head h of every progs-th tile of tokens
         bs_dot, bn_dot, bm_dot = _dot_tile(n_sites, n_src, d // heads)
         w_hi = w.to(torch.bfloat16)
         w_lo = (w - w_hi.float()).to(torch.bfloat16)
-        tiles_dot = triton.cdiv(M, bm_dot)
+        tiles_dot = _cdiv(M, bm_dot)
         dhp, dt_dot = _dot_lanes(d // heads)  # pass two's too
         dot_flags = dict(
             D=d, H=heads, DH=d // heads, DHP=dhp, DT=dt_dot, BS=bs_dot, BN=bn_dot, BM=bm_dot,
@@ -2244,9 +2255,9 @@ def _backward_site_loop(
             c1 = min(n_src, c0 + DOT_SOURCES_CHUNK)
             acc_c = min(max(n_acc - c0, 0), c1 - c0)
             bs2, bn2, bm2 = _dot_tile(n_sites, c1 - c0, d // heads)
-            tiles2 = triton.cdiv(M, bm2)
+            tiles2 = _cdiv(M, bm2)
             src_flags = dict(
-                D=d, H=heads, BH=triton.next_power_of_2(heads), DH=d // heads, DHP=dhp, DT=dt_dot, BS=bs2, BN=bn2, BM=bm2,
+                D=d, H=heads, BH=_pow2(heads), DH=d // heads, DHP=dhp, DT=dt_dot, BS=bs2, BN=bn2, BM=bm2,
                 ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), DOT_F32=interpret, ACC=acc_c > 0,
                 **_dot_launch("bwd_sources_dot", bm2, bn2),
             )
@@ -2260,7 +2271,7 @@ def _backward_site_loop(
             progs2 = _dot_programs("bwd_sources_dot", device, tiles2, heads, src_args, src_flags)
             _kernel("bwd_sources_dot", interpret)[(progs2, heads)](*src_args(progs2), **src_flags)
     else:
-        _kernel("bwd_sources", interpret)[(triton.cdiv(M, bm_src) * n_src,)](
+        _kernel("bwd_sources", interpret)[(_cdiv(M, bm_src) * n_src,)](
             base, src_offs, n_src, w, n_sites, grads[0], g_offs,
             lse, dsum, score_a, gate_c, targets[0], _offsets(targets, targets[0]), addends[0], _offsets(addends, addends[0]), n_acc, rstd,
             M, eps,
@@ -2696,7 +2707,7 @@ def _decode_slots(n: int, elements: int, bd: int) -> int:
     """Slots per tile: a power of two, at most ``elements // bd`` (at least 1) and no more than ``n`` needs."""
     cap = max(1, elements // bd)
     cap = 1 << (cap.bit_length() - 1)
-    return min(triton.next_power_of_2(max(1, n)), cap)
+    return min(_pow2(max(1, n)), cap)
 
 
 @torch.library.custom_op("lit_mhar::route_norm_decode", mutates_args=("history",))
@@ -2717,7 +2728,7 @@ def _route_norm_decode_op(
     # longer than DECODE_CHUNK slots without a prior, split over programs of that many slots
     cap = max(1, DECODE_CHUNK * 2048 // max(bd, 2048))
     has_prior = prior_out is not None
-    n_split = 1 if has_prior else triton.cdiv(n_sources + (pending is not None), cap)
+    n_split = 1 if has_prior else _cdiv(n_sources + (pending is not None), cap)
     if n_split == 1:
         chunk, warps = _decode_slots(n_sources - n_prior, DECODE_TILE_ELEMENTS, bd), DECODE_WARPS
     else:
@@ -2737,7 +2748,7 @@ def _route_norm_decode_op(
         eps, norm_eps,
     )
     flags = dict(
-        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, CH=chunk, NSP=triton.next_power_of_2(n_split),
+        D=d, H=heads, DH=d // heads, BH=bh, BDH=bdh, CH=chunk, NSP=_pow2(n_split),
         HAS_PENDING=pending is not None, ACCUMULATE=bool(accumulate) and pending is not None, ADDITIVE=stream is not None,
         HAS_PRIOR=has_prior,
     )

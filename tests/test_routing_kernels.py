@@ -316,6 +316,15 @@ def test_tuned_tiles_hold_at_their_width_and_head_count_only():
     assert tr._tile("bwd_sources", 1, 1280, 1, True)[1:3] == tr._tile("bwd_sources", 1, 1280, 8, True)[1:3] == (32, 4)
 
 
+def test_host_launch_arithmetic_equals_tritons():
+    """The wrappers' plain-Python ``_cdiv`` and ``_pow2`` give what ``triton.cdiv`` and
+    ``triton.next_power_of_2`` give (grids, tiles and padded widths depend on them)."""
+    assert [tr._pow2(n) for n in range(0, 5000)] == [triton.next_power_of_2(n) for n in range(0, 5000)]
+    assert [tr._pow2(n) for n in (2**31 - 1, 2**31, 2**31 + 1)] == [2**31, 2**31, 2**32]
+    pairs = [(a, b) for a in (0, 1, 2, 15, 16, 17, 1000, 131071, 131072, 2**40 + 3) for b in (1, 2, 3, 16, 64, 127, 4096)]
+    assert [tr._cdiv(a, b) for a, b in pairs] == [triton.cdiv(a, b) for a, b in pairs]
+
+
 def site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens, dtype, on_dots=True, pass_two=False, with_dlse=True):
     """Phase one (``route_sites``) with pass one (and with ``pass_two`` pass two) of the site loop
     on tensor cores or not: errors of the outputs, lse and every gradient (sources, queries, gains;
