@@ -12,10 +12,11 @@ code measured in one run, never against GPU timings.
 
     python benchmarks/host_overhead_cpu.py --scale 350m --variants prenorm,mhar-block8-H8,delta-block8-H8
     python benchmarks/host_overhead_cpu.py --scale 350m --variants mhar-block8-H8 --profile 25
+    python benchmarks/host_overhead_cpu.py --scale 350m --rounds 4 --variants mhar-block8-H8,mhar-block8-H8:triton-arith
 
 Prints, per variant, the median over ``--steps`` steps of a step's host time in ms (forward and
-backward, no optimiser), and with ``--profile N`` the N functions of the routing path with the
-most own time under :mod:`cProfile`.
+backward, no optimiser) and the routing kernels' launches in a step, and with ``--profile N`` the
+N functions of the routing path with the most own time under :mod:`cProfile`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 from unittest import mock
 
 import torch
+import triton
 
 from lit_mhar import LM, ModelConfig
 from lit_mhar.config import PRESETS
@@ -43,14 +45,20 @@ VARIANTS = {  # as bench_training.py names them: 8 blocks of 2L / 8 sublayers fo
     "delta-block8-H8": dict(residual="delta", heads=8, block_size="8blocks"),
     "delta-full-H8": dict(residual="delta", heads=8, block_size=1),
 }
+KNOBS = ("triton-arith",)  # "<variant>:triton-arith": the host's launch arithmetic through triton.cdiv / next_power_of_2 (before the twenty-first set)
 TINY = dict(d_model=128, n_head=4, n_kv_head=2, ffn_dim=128, vocab_size=128, seq_len=16)  # widths that cost nothing
 
 
 class _NoLaunch:
-    """Stands in for a compiled kernel: ``kernel[grid](*args, **kwargs)`` does nothing."""
+    """Stands in for a compiled kernel: ``kernel[grid](*args, **kwargs)`` only counts the launch."""
+
+    launches = 0
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
+        def launch(*args, **kwargs):
+            _NoLaunch.launches += 1
+
+        return launch
 
 
 def step_fn(scale: str, variant: str):
@@ -72,17 +80,23 @@ def step_fn(scale: str, variant: str):
     return model, step
 
 
-def measure(scale: str, variant: str, steps: int, warmup: int, profile: int) -> tuple[float, str]:
-    """Median ms per step over ``steps`` steps after ``warmup``, and the cProfile table (or "")."""
+def measure(scale: str, variant: str, steps: int, warmup: int, profile: int) -> tuple[float, int, str]:
+    """Median ms per step over ``steps`` steps after ``warmup``, the kernel launches of a step, and
+    the cProfile table (or "")."""
+    variant, *knobs = variant.split(":")
     _, step = step_fn(scale, variant)
-    with use_backend("triton"), mock.patch.object(tr, "_kernel", lambda name, interpret: _NoLaunch()):
+    # the package's arithmetic, or with the knob Triton's (a patch that sets what is there already changes nothing)
+    arith = dict(_cdiv=triton.cdiv, _pow2=triton.next_power_of_2) if "triton-arith" in knobs else dict(_cdiv=tr._cdiv, _pow2=tr._pow2)
+    with use_backend("triton"), mock.patch.object(tr, "_kernel", lambda name, interpret: _NoLaunch()), mock.patch.multiple(tr, **arith):
         for _ in range(warmup):
             step()
         times = []
+        before = _NoLaunch.launches
         for _ in range(steps):
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
+        launches = (_NoLaunch.launches - before) // steps
         table = ""
         if profile:
             prof = cProfile.Profile()
@@ -92,7 +106,7 @@ def measure(scale: str, variant: str, steps: int, warmup: int, profile: int) -> 
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(r"kernels|lit_mhar", profile)
             table = buf.getvalue()
-    return statistics.median(times), table
+    return statistics.median(times), launches, table
 
 
 def main(argv=None) -> int:
@@ -102,20 +116,27 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", type=int, default=0, help="rows of the routing path's cProfile table to print (0: none)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds over all the variants, interleaved; the median of the rounds' medians is reported")
     args = ap.parse_args(argv)
     names = args.variants.split(",")
-    unknown = [n for n in names if n not in VARIANTS]
+    unknown = [n for n in names if n.split(":")[0] not in VARIANTS or any(k not in KNOBS for k in n.split(":")[1:])]
     if unknown:
-        ap.error(f"--variants: unknown {unknown}; valid: {list(VARIANTS)}")
-    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--profile", args.profile, 0)):
+        ap.error(f"--variants: unknown {unknown}; valid: {list(VARIANTS)}, each optionally with :{' :'.join(KNOBS)}")
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--profile", args.profile, 0), ("--rounds", args.rounds, 1)):
         if value < least:
             ap.error(f"{flag} {value}: must be >= {least}")
     torch.set_num_threads(1)  # the host's one thread, as when it enqueues GPU work
-    for name in names:
-        ms, table = measure(args.scale, name, args.steps, args.warmup, args.profile)
-        print(f"{args.scale} {name}: {ms:.1f} ms per step (median of {args.steps}; launches stubbed, CPU)", flush=True)
-        if table:
-            print(table, flush=True)
+    rounds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names:
+            ms, launches, table = measure(args.scale, name, args.steps, args.warmup, args.profile if r == 0 else 0)
+            rounds[name].append(ms)
+            print(f"{args.scale} {name}: {ms:.1f} ms per step (median of {args.steps}; {launches} routing launches a step, stubbed; CPU)", flush=True)
+            if table:
+                print(table, flush=True)
+    if args.rounds > 1:
+        for name, values in rounds.items():
+            print(f"{args.scale} {name}: {statistics.median(values):.1f} ms per step, median of {args.rounds} rounds {[round(v, 1) for v in values]}", flush=True)
     return 0
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import triton
+
 from lit_mhar.kernels import triton_routing as tr
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -119,3 +121,27 @@ def test_host_profile_refuses_bad_counts_before_any_work(host_profile, argv, cap
         host_profile.main(["--scale", "debug", *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"{argv[0]} {argv[1]}: must be" in err
+
+
+@pytest.fixture
+def host_overhead_cpu(monkeypatch):
+    yield from _benchmark_script(monkeypatch, "host_overhead_cpu")
+
+
+def test_host_overhead_runs_the_triton_path_with_every_launch_stubbed(host_overhead_cpu):
+    """A routed step goes through the Triton wrappers (their launches counted, none run), prenorm's
+    through none of them; the kernels module is left as it was."""
+    kernel = tr._kernel
+    ms, launches, table = host_overhead_cpu.measure("20m", "mhar-block8-H8", steps=1, warmup=0, profile=5)
+    assert ms > 0 and launches > 0 and "triton_routing.py" in table
+    assert host_overhead_cpu.measure("20m", "prenorm", steps=1, warmup=0, profile=0)[1:] == (0, "")
+    assert host_overhead_cpu.measure("20m", "mhar-block8-H8:triton-arith", steps=1, warmup=0, profile=0)[1] == launches
+    assert tr._kernel is kernel and tr._cdiv(5, 2) == 3 and tr._cdiv is not triton.cdiv
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--warmup", "-1"], ["--profile", "-1"], ["--rounds", "0"], ["--variants", "prenorm,mhar-block9"],
+                                  ["--variants", "mhar-block8-H8:no-such-knob"]])
+def test_host_overhead_refuses_bad_arguments_before_any_work(host_overhead_cpu, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        host_overhead_cpu.main(argv)
+    assert e.value.code == 2 and argv[0] in capsys.readouterr().err
