@@ -184,10 +184,11 @@ class LitLM(L.LightningModule):
         self._window_tokens += batch[:, :-1].numel()
         self._window_batches += 1
         self._window_shape = (batch.device, batch.shape[1] - 1)
-        if self._window_start is None or self._window_batches >= self.trainer.log_every_n_steps * self.trainer.accumulate_grad_batches:
+        every = self.trainer.log_every_n_steps  # 0: Lightning never logs; windows then end at validations only
+        if self._window_start is None or (every and self._window_batches >= every * self.trainer.accumulate_grad_batches):
             self._close_window()
         # at the loggers' steps, where Lightning reads train/loss back for them anyway (and at the first)
-        step, every = self.global_step, self.trainer.log_every_n_steps
+        step = self.global_step
         if step != self._bar_step and (self._bar_step is None or self.trainer.fast_dev_run or (every and step % every == 0)):
             self._show_loss()
 

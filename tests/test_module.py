@@ -264,3 +264,20 @@ def test_progress_bar_loss_with_logging_off_fast_dev_run_and_a_second_fit():
     dev = L.Trainer(fast_dev_run=3, callbacks=[Bar()], **quiet)
     dev.fit(m, loader)
     assert shown[0] is None and None not in shown[1:] and len({shown[1], shown[2], dev.progress_bar_metrics["loss"]}) == 3, shown
+
+
+def test_no_throughput_window_ends_every_step_when_logging_is_off(tmp_path):
+    """log_every_n_steps=0 (Lightning's "never log"): throughput windows end at validations only,
+    not after every batch (each end waits for the GPU and writes perf/tokens_per_s to the loggers)."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    m = LitLM(ModelConfig.from_name("debug", n_layer=1, d_model=32, n_head=2, n_kv_head=1, ffn_dim=32, vocab_size=64, seq_len=16), warmup_steps=1)
+    loader = torch.utils.data.DataLoader(torch.randint(0, 64, (32, 17)), batch_size=2)
+    trainer = L.Trainer(max_steps=8, log_every_n_steps=0, val_check_interval=4, limit_val_batches=1, logger=CSVLogger(tmp_path),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(m, loader, loader)
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        perf = [int(r["step"]) for r in csv.DictReader(f) if r.get("perf/tokens_per_s")]
+    assert perf == [3, 7], perf  # the two validations' window ends
