@@ -62,7 +62,8 @@ class LitLM(L.LightningModule):
 
     Batches are int64 token ids ``[B, T + 1]``; inputs are the first T, targets the last T.
     Logs ``train/loss`` (every step's, written at the loggers' steps; the progress bar shows it as
-    ``loss`` every ``log_every_n_steps`` steps, so that no step waits for the GPU),
+    ``loss`` every ``log_every_n_steps`` steps, when ``perf/*`` are measured too, so that only those
+    steps wait for the GPU),
     ``val/loss`` (the validation loss, nats per token), ``perf/tokens_per_s``,
     ``perf/mfu`` (on GPUs with a known peak; FLOPs from :meth:`LM.flops_per_token`),
     ``perf/peak_memory_gb`` (``torch.cuda.max_memory_allocated``) and, every
@@ -146,7 +147,7 @@ class LitLM(L.LightningModule):
         self._window_start: Optional[float] = None
         self._window_tokens = self._window_batches = 0
         self._window_shape: tuple[torch.device, int] = (torch.device("cpu"), 0)  # device and sequence length of the last batch
-        self._bar_step: Optional[int] = None  # the optimizer step whose train/loss the progress bar shows
+        self._bar_step: Optional[int] = None  # the last logging step: the optimizer step whose train/loss the progress bar shows
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits ``[B, T, V]`` for token ids ``[B, T]``."""
@@ -179,17 +180,18 @@ class LitLM(L.LightningModule):
         self._bar_step = None  # each fit shows its first step's loss
 
     def on_train_batch_end(self, outputs: Any, batch: Tensor, batch_idx: int) -> None:
-        # Throughput over windows of log_every_n_steps optimizer steps, synchronising only at window
-        # ends so the GPU queue is not drained every step; a validation ends the window early.
+        # Throughput over windows that end at the loggers' steps (every log_every_n_steps optimizer
+        # steps; a validation ends one early), where Lightning reads train/loss back for the loggers
+        # anyway: the window's end and the progress bar's loss wait for the GPU there and nowhere
+        # else, so the GPU queue is not drained every step.
         self._window_tokens += batch[:, :-1].numel()
         self._window_batches += 1
         self._window_shape = (batch.device, batch.shape[1] - 1)
-        every = self.trainer.log_every_n_steps  # 0: Lightning never logs; windows then end at validations only
-        if self._window_start is None or (every and self._window_batches >= every * self.trainer.accumulate_grad_batches):
+        step, every = self.global_step, self.trainer.log_every_n_steps  # every 0: Lightning never logs
+        logging_step = step != self._bar_step and (self._bar_step is None or bool(self.trainer.fast_dev_run) or (every > 0 and step % every == 0))
+        if self._window_start is None or logging_step:
             self._close_window()
-        # at the loggers' steps, where Lightning reads train/loss back for them anyway (and at the first)
-        step = self.global_step
-        if step != self._bar_step and (self._bar_step is None or self.trainer.fast_dev_run or (every and step % every == 0)):
+        if logging_step:
             self._show_loss()
 
     def _show_loss(self) -> None:

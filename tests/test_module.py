@@ -158,7 +158,8 @@ def test_throughput_is_logged_when_validation_comes_before_a_full_window(tmp_pat
 def test_progress_bar_shows_the_loss_read_at_logging_steps_not_a_tensor_every_step(tmp_path):
     """Lightning reads every progress-bar value back to the host at every step (``.item()``, which on
     a GPU waits for all queued work): train/loss goes to the loggers only, and the bar's ``loss`` is
-    a host value taken at the loggers' steps (and the first), equal to train/loss logged there."""
+    a host value taken at the loggers' steps (and the first), equal to train/loss logged there,
+    where the throughput windows end too."""
     import csv
 
     from lightning.pytorch.loggers import CSVLogger
@@ -186,8 +187,11 @@ def test_progress_bar_shows_the_loss_read_at_logging_steps_not_a_tensor_every_st
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
     trainer.fit(m, loader)
     with open(next(tmp_path.rglob("metrics.csv"))) as f:
-        logged = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+        rows = list(csv.DictReader(f))
+    logged = {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
     assert sorted(logged) == [3, 7], logged
+    # the throughput windows end at the same steps: one wait for the GPU per logging interval
+    assert [int(r["step"]) for r in rows if r.get("perf/tokens_per_s")] == [3, 7]
     assert all("train/loss" not in seen for seen in bar.seen), "a tensor of every step is in the progress bar"
     # batches 1 to 9: the first shows its own loss, 4 and 8 the loss the loggers got (steps 3 and 7)
     shown = [seen.get("loss") for seen in bar.seen]
@@ -237,8 +241,9 @@ def test_training_steps_between_logging_steps_never_wait_for_the_gpu(tmp_path):
     finally:
         torch.cuda.set_sync_debug_mode(0)
         warnings.showwarning = shown
-    # batch indices: throughput windows end at 0, 4, 8; the loggers and the progress bar read back at 3, 7, 11
-    quiet = [b for b in range(12) if b not in (0, 3, 4, 7, 8, 11)]
+    # batch indices: the first starts a throughput window; windows end, and the loggers and the
+    # progress bar read back, at 3, 7, 11 (optimizer steps 4, 8, 12)
+    quiet = [b for b in range(12) if b not in (0, 3, 7, 11)]
     assert all(syncs[b] == 0 for b in quiet), syncs
     assert all(syncs[b] > 0 for b in (3, 7, 11)), syncs
 
