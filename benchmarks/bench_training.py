@@ -30,6 +30,7 @@ import time
 from unittest import mock
 
 import torch
+import triton
 from triton.testing import do_bench
 
 from lit_mhar import LM, ModelConfig, routing
@@ -134,6 +135,7 @@ KNOBS = {
     "many-sites-12": {(TR, "DOT_MANY_SITES"): 12},  # ... from passes of 12 sites (the eighteenth set: Delta full's groups of 8 on the vector kernels)
     "lone-final-site": {("lit_mhar.routing", "JOIN_FINAL_SITE"): False},  # the last routing site in a group of its own, a phase-one pass over every source (before the eighteenth set)
     **{f"dots-from-{n}": {(TR, "DOT_MIN_SOURCES"): n} for n in (1, 2, 4)},  # phase-one passes over fewer than n sources on the vector kernels (the package: 3)
+    "triton-arith": {(TR, "_cdiv"): triton.cdiv, (TR, "_pow2"): triton.next_power_of_2},  # the host's launch arithmetic through Triton's functions (before the twenty-first set; host_overhead_cpu.py)
     "pad-dots": {(TR, "DOT_SPLIT_WIDTH"): False},  # tensor-core kernels pad 1b's head width 160 to 256, pass two on the vector kernel (before the fourteenth set)
 }
 FIELDS = ["scale", "variant", "batch", "seq", "steps", "tokens_per_s", "ratio_vs_prenorm", "step_ms", "host_ms", "mfu_datasheet", "mfu_measured",
@@ -186,19 +188,23 @@ def compile_sublayers(model: LM) -> None:
     model.norm.compile()
 
 
+def variant_config(scale, overrides, **fields) -> ModelConfig:
+    """The preset ``scale``'s config with a variant's ``overrides`` (``block_size="8blocks"``: 8 blocks
+    of the 2L sublayers) and any other ``fields``; sets full routing's group size, a module setting
+    (either form's; the package's own where the variant names none)."""
+    kw = dict(overrides)
+    group = kw.pop("full_routing_group", None)
+    routing.FULL_ROUTING_GROUP, routing.FULL_ROUTING_GROUP_ADDITIVE = (group, group) if group else FULL_ROUTING_GROUPS
+    if kw.get("block_size") == "8blocks":
+        kw["block_size"] = 2 * SCALES[scale][2] // 8
+    return ModelConfig.from_name(scale, **kw, **fields)
+
+
 def training_parts(scale, overrides, batch, seq, compile_):
     """``(model, forward, update)`` of a variant: the LM on the device (its sublayers compiled with
     ``compile_``); ``forward()`` returns the loss (bf16 autocast, cross-entropy on fixed random
     tokens ``[batch, seq]``); ``update()`` clips the gradients and takes a fused AdamW step."""
-    layers = SCALES[scale][2]
-    kw = dict(overrides)
-    # full routing's two-phase group size is a module setting, not a config field: set per variant
-    # (either form's; the package's own where the variant names none)
-    group = kw.pop("full_routing_group", None)
-    routing.FULL_ROUTING_GROUP, routing.FULL_ROUTING_GROUP_ADDITIVE = (group, group) if group else FULL_ROUTING_GROUPS
-    if kw.get("block_size") == "8blocks":
-        kw["block_size"] = 2 * layers // 8
-    cfg = ModelConfig.from_name(scale, **kw)
+    cfg = variant_config(scale, overrides)
     torch.manual_seed(0)
     with torch.device(DEVICE):  # initialise on the device: seconds instead of a minute at 1b
         model = LM(cfg)

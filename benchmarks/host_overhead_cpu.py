@@ -3,7 +3,7 @@
 The routed variants' steps at 350m are close to bound by the host's time to enqueue them
 (``host_profile.py`` on the GPU machine). This script measures the part of that time spent in
 Python and in PyTorch's dispatch, without a GPU: a model with a preset's layer count and routing
-layout but tiny widths runs forward and backward on the CPU through the Triton path
+layout but tiny widths (``bench_training.py``'s variants and knobs) runs forward and backward on the CPU through the Triton path
 (``use_backend("triton")``) with every Triton launch replaced by a no-op, so what is timed is the
 wrappers (argument checks, tile choices, offset tables, allocations, the small reductions around
 the kernels), autograd and the rest of the model at a negligible size. The numbers are this
@@ -31,21 +31,12 @@ import time
 from unittest import mock
 
 import torch
-import triton
 
-from lit_mhar import LM, ModelConfig
-from lit_mhar.config import PRESETS
+from bench_training import SCALES, knobs, split_variant, variant_config
+from lit_mhar import LM
 from lit_mhar.kernels import triton_routing as tr
 from lit_mhar.kernels import use_backend
 
-VARIANTS = {  # as bench_training.py names them: 8 blocks of 2L / 8 sublayers for block routing
-    "prenorm": dict(residual="prenorm"),
-    "mhar-block8-H8": dict(residual="attnres", heads=8, block_size="8blocks"),
-    "mhar-full-H8": dict(residual="attnres", heads=8, block_size=1),
-    "delta-block8-H8": dict(residual="delta", heads=8, block_size="8blocks"),
-    "delta-full-H8": dict(residual="delta", heads=8, block_size=1),
-}
-KNOBS = ("triton-arith",)  # "<variant>:triton-arith": the host's launch arithmetic through triton.cdiv / next_power_of_2 (before the twenty-first set)
 TINY = dict(d_model=128, n_head=4, n_kv_head=2, ffn_dim=128, vocab_size=128, seq_len=16)  # widths that cost nothing
 
 
@@ -61,33 +52,23 @@ class _NoLaunch:
         return launch
 
 
-def step_fn(scale: str, variant: str):
-    """``(model, step)``: the preset's layers at :data:`TINY` widths; ``step()`` runs forward and backward."""
-    kw = dict(VARIANTS[variant])
-    if kw.get("block_size") == "8blocks":
-        kw["block_size"] = 2 * PRESETS[scale]["n_layer"] // 8
-    torch.manual_seed(0)
-    model = LM(ModelConfig.from_name(scale, **TINY, **kw))
-    params = list(model.parameters())
-    x = torch.randint(0, TINY["vocab_size"], (2, TINY["seq_len"] + 1))
+def measure(scale: str, name: str, steps: int, warmup: int, profile: int) -> tuple[float, int, str]:
+    """Median ms per step over ``steps`` steps after ``warmup`` of the variant ``name`` (as
+    ``bench_training.py`` names variants and knobs) at :data:`TINY` widths, the routing kernels'
+    launches in a step, and the cProfile table (or "")."""
+    overrides, knob_names = split_variant(name)
+    with knobs(knob_names), use_backend("triton"), mock.patch.object(tr, "_kernel", lambda name, interpret: _NoLaunch()):
+        torch.manual_seed(0)
+        model = LM(variant_config(scale, overrides, **TINY))
+        params = list(model.parameters())
+        x = torch.randint(0, TINY["vocab_size"], (2, TINY["seq_len"] + 1))
 
-    def step():
-        logits = model(x[:, :-1])
-        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten()).backward()
-        for p in params:
-            p.grad = None
+        def step():
+            logits = model(x[:, :-1])
+            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten()).backward()
+            for p in params:
+                p.grad = None
 
-    return model, step
-
-
-def measure(scale: str, variant: str, steps: int, warmup: int, profile: int) -> tuple[float, int, str]:
-    """Median ms per step over ``steps`` steps after ``warmup``, the kernel launches of a step, and
-    the cProfile table (or "")."""
-    variant, *knobs = variant.split(":")
-    _, step = step_fn(scale, variant)
-    # the package's arithmetic, or with the knob Triton's (a patch that sets what is there already changes nothing)
-    arith = dict(_cdiv=triton.cdiv, _pow2=triton.next_power_of_2) if "triton-arith" in knobs else dict(_cdiv=tr._cdiv, _pow2=tr._pow2)
-    with use_backend("triton"), mock.patch.object(tr, "_kernel", lambda name, interpret: _NoLaunch()), mock.patch.multiple(tr, **arith):
         for _ in range(warmup):
             step()
         times = []
@@ -111,17 +92,19 @@ def measure(scale: str, variant: str, steps: int, warmup: int, profile: int) -> 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--scale", choices=[s for s in PRESETS if s != "debug"], default="350m")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--scale", choices=list(SCALES), default="350m")
+    ap.add_argument("--variants", default="prenorm,mhar-block8-H8,mhar-full-H8,delta-block8-H8,delta-full-H8")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", type=int, default=0, help="rows of the routing path's cProfile table to print (0: none)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds over all the variants, interleaved; the median of the rounds' medians is reported")
     args = ap.parse_args(argv)
     names = args.variants.split(",")
-    unknown = [n for n in names if n.split(":")[0] not in VARIANTS or any(k not in KNOBS for k in n.split(":")[1:])]
-    if unknown:
-        ap.error(f"--variants: unknown {unknown}; valid: {list(VARIANTS)}, each optionally with :{' :'.join(KNOBS)}")
+    for name in names:
+        try:
+            split_variant(name)
+        except ValueError as e:
+            ap.error(f"--variants: {e}")
     for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--profile", args.profile, 0), ("--rounds", args.rounds, 1)):
         if value < least:
             ap.error(f"{flag} {value}: must be >= {least}")
