@@ -52,7 +52,7 @@ from lit_mhar.config import ModelConfig
 from lit_mhar.model import LM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_training import compile_sublayers, settings  # noqa: E402  (the same compilation as the training benchmark)
+from bench_training import settings  # noqa: E402
 
 VARIANTS = {  # name -> ModelConfig overrides; "8blocks": S = 2L / 8
     "prenorm": dict(residual="prenorm"),
@@ -375,7 +375,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     full_err = check_against_full_forward(model, model.cfg.vocab_size, device)
                 model.to(dtype)
                 if backbone == "compiled":
-                    compile_sublayers(model)
+                    model.compile_sublayers()  # the same compilation as the training benchmark
                 with torch.no_grad(), knobs(name):
                     for r in measure(model, batches, args.prompt_len, args.decode_steps, device, args.reps, graphs, full_err):
                         record({**common, **r})

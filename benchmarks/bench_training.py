@@ -2,8 +2,8 @@
 
 A plain loop over :class:`lit_mhar.model.LM`: bf16 autocast, fused AdamW (0.9, 0.95, wd 0.1),
 random tokens, the presets' tokens per step unless ``--batch`` says otherwise. Attention, MLP and
-their pre-norms are compiled module by module (``nn.Module.compile``: one compilation shared by
-all layers); routing runs through the fused Triton op (two-phase for block routing), which
+their pre-norms are compiled module by module (``LM.compile_sublayers``, ``LitLM(compile=True)``:
+one compilation shared by all layers; the knob ``compile-model`` compiles the whole model instead); routing runs through the fused Triton op (two-phase for block routing), which
 ``torch.compile`` treats as opaque. The same compilation applies to the prenorm baseline.
 
 MFU = tokens/s x ``LM.flops_per_token(seq_len)`` / peak, with the datasheet's dense bf16 peak
@@ -68,7 +68,12 @@ VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L su
 # 350m / 1b; full routing's groups of 12 for MHAR, 8 for Delta, one more where the final site joins),
 # so fwd4, fwd8 and stats4 change nothing where S has no such factor (unless fwd-sites-padded).
 TR = "lit_mhar.kernels.triton_routing"
+# What is compiled (LitLM's ``compile``): "sublayers" (LM.compile_sublayers: attention, MLP and the
+# norms module by module, routing eager) or "model" (the whole model in one graph, routing through
+# the custom op); the knob "compile-model" sets the latter for one variant.
+COMPILE_LAYOUT = "sublayers"
 KNOBS = {
+    "compile-model": {(__name__, "COMPILE_LAYOUT"): "model"},  # the whole model compiled (LitLM(compile="model")), not module by module
     "custom-op": {(TR, "EAGER_FUNCTION"): False},  # eager calls through the custom op's autograd
     "fwd1": {(TR, "FWD_SITES"): 1},  # one site per forward program
     "fwd4": {(TR, "FWD_SITES"): 4},
@@ -181,13 +186,6 @@ def matmul_tflops() -> float:
     return 2 * 8192**3 / ms / 1e9
 
 
-def compile_sublayers(model: LM) -> None:
-    for block in model.blocks:
-        for m in (block.attn_norm, block.attn, block.mlp_norm, block.mlp):
-            m.compile()
-    model.norm.compile()
-
-
 def variant_config(scale, overrides, **fields) -> ModelConfig:
     """The preset ``scale``'s config with a variant's ``overrides`` (``block_size="8blocks"``: 8 blocks
     of the 2L sublayers) and any other ``fields``; sets full routing's group size, a module setting
@@ -208,8 +206,10 @@ def training_parts(scale, overrides, batch, seq, compile_):
     torch.manual_seed(0)
     with torch.device(DEVICE):  # initialise on the device: seconds instead of a minute at 1b
         model = LM(cfg)
-    if compile_:
-        compile_sublayers(model)
+    if compile_ and COMPILE_LAYOUT == "model":
+        model.compile()
+    elif compile_:
+        model.compile_sublayers()
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=DEVICE == "cuda")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=DEVICE, generator=gen)

@@ -3,7 +3,8 @@
 # GPU kernel tests, generation at 350m, then per scale in $SCALES the routing op against its peers,
 # training throughput, tile tuning, the tensors alive at a step's peak memory (memory_phases.py --trace), the host's
 # time per step (host_profile.py) and a profile.
-#   OUT=... SCALES="350m" STEPS="tests ncu tune_decode generate op train tune memory host profile" bash benchmarks/device_kernels.sh
+# and training through lit-mhar fit itself (bench_fit.py, once, after the scales).
+#   OUT=... SCALES="350m" STEPS="tests ncu tune_decode generate op train tune memory host profile fit" bash benchmarks/device_kernels.sh
 set -uo pipefail
 R=$PWD
 OUT=${OUT:?}
@@ -22,7 +23,7 @@ cd /tmp
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 if [[ " $STEPS " == *" tests "* ]]; then
-  timeout ${TEST_TIMEOUT:-150} python3 -m pytest "$R/tests/test_routing_kernels.py" -q -n ${TEST_WORKERS:-8} -p no:cacheprovider -m "${TEST_MARK:-gpu or not gpu}" -k "${TEST_K:-}" \
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest $(for f in ${TEST_FILES:-tests/test_routing_kernels.py}; do echo "$R/$f"; done) -q -n ${TEST_WORKERS:-8} -p no:cacheprovider -m "${TEST_MARK:-gpu or not gpu}" -k "${TEST_K:-}" \
     > "$OUT/tests.log" 2>&1; echo "tests exit $? at $SECONDS s"; grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -15
 fi
 if [[ " $STEPS " == *" ncu "* ]]; then
@@ -65,6 +66,11 @@ for s in $SCALES; do
     echo "profile $s exit $? at $SECONDS s"
   fi
 done
+if [[ " $STEPS " == *" fit "* ]]; then  # lit-mhar fit itself (bench_fit.py); the default corpus is built in /tmp/data first
+  timeout ${FIT_TIMEOUT:-400} python3 "$R/benchmarks/bench_fit.py" --configs "$(echo ${FIT_CONFIGS:-configs/350m/prenorm.yaml,configs/350m/block_mhar.yaml} | tr ',' '\n' | sed "s|^|$R/|" | paste -sd,)" \
+    --steps ${FIT_STEPS:-100} --out "$OUT/fit" -- ${FIT_ARGS:---model.compile true} > "$OUT/fit.log" 2>&1
+  echo "fit exit $? at $SECONDS s"; cat "$OUT/fit/fit_bench.csv" 2>/dev/null || tail -n 20 "$OUT/fit.log"
+fi
 python3 - "$OUT" <<'PY'
 import csv, os, sys
 out = sys.argv[1]

@@ -397,6 +397,23 @@ class LM(nn.Module):
         for block in self.blocks:
             block.activation_checkpointing = enabled
 
+    def compile_sublayers(self, **compile_kwargs) -> None:
+        """``torch.compile`` every sublayer and norm module by module, in place (``nn.Module.compile``).
+
+        Attention, MLP and their pre-norms of every block and the final norm are compiled; layers
+        of one shape share one compilation. Depth routing, the depth history and the residual
+        stream's additions stay eager, so the routing runs on the fused Triton kernels with the
+        eager-only savings (:class:`lit_mhar.kernels.GradientSink`, the Delta form's replayed
+        stream, the merges' saved routed value) that a compile of the whole model, which routes
+        through the ``torch.library`` custom op, leaves out. This is the layout
+        ``benchmarks/bench_training.py`` measures for every variant, prenorm included.
+        State-dict keys are unchanged. ``compile_kwargs`` go to ``nn.Module.compile``.
+        """
+        for block in self.blocks:
+            for m in (block.attn_norm, block.attn, block.mlp_norm, block.mlp):
+                m.compile(**compile_kwargs)
+        self.norm.compile(**compile_kwargs)
+
     def new_cache(self, batch_size: int, max_len: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> KVCache:
         """An empty :class:`KVCache` on the model's device: ``max_len`` positions (default ``seq_len``),
         in ``dtype`` (default the model's parameter dtype)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import lightning as L
 import torch
@@ -17,6 +17,9 @@ from lit_mhar.routing import routing_stats
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import FSDPStrategy
+
+# LitLM's ``compile`` values: off, the sublayers module by module (True is "sublayers"), the whole model.
+COMPILE_CHOICES = (False, True, "sublayers", "model")
 
 # Dense bf16 peak of the GPUs we know, in FLOP/s (vendor datasheets, SXM parts), for MFU.
 PEAK_BF16_FLOPS: dict[str, float] = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
@@ -82,7 +85,13 @@ class LitLM(L.LightningModule):
             hyper-connection weights) train at ``lr * routing_lr_multiplier`` (Delta AttnRes
             fine-tuning used about 100x).
         routing_log_every_n_steps: how often routing statistics are computed and logged (0: never).
-        compile: ``torch.compile`` the model (checkpoints load with or without it).
+        compile: ``torch.compile`` the model; checkpoints load with or without it. ``true`` or
+            ``"sublayers"``: attention, MLP and every norm module by module
+            (:meth:`lit_mhar.model.LM.compile_sublayers`), routing and the residual stream eager,
+            routing on the fused kernels with their eager-only savings: the layout every
+            throughput figure in BENCHMARKS.md was measured with, prenorm included.
+            ``"model"``: the whole model as one graph (``nn.Module.compile``), routing through
+            the kernels' ``torch.library`` custom op. ``false``: eager.
         activation_checkpointing: Recompute every sublayer (routing, pre-norm, attention / MLP) in
             the backward pass instead of keeping its activations (``torch.utils.checkpoint``,
             non-reentrant; see :class:`lit_mhar.model.LM`): between forward and backward only the
@@ -117,11 +126,13 @@ class LitLM(L.LightningModule):
         adam_eps: float = 1e-8,
         routing_lr_multiplier: float = 1.0,
         routing_log_every_n_steps: int = 50,
-        compile: bool = False,
+        compile: Union[bool, Literal["sublayers", "model"]] = False,
         init_from: Optional[str] = None,
         activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
+        if not (isinstance(compile, bool) or (isinstance(compile, str) and compile in COMPILE_CHOICES)):
+            raise ValueError(f"LitLM: compile={compile!r}; valid: {list(COMPILE_CHOICES)}")
         if lr <= 0 or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0 or routing_lr_multiplier <= 0:
             raise ValueError(
                 f"LitLM: need lr > 0 (got {lr}), 0 <= min_lr_ratio <= 1 (got {min_lr_ratio}), "
@@ -141,8 +152,10 @@ class LitLM(L.LightningModule):
         # FSDP (use_orig_params) turns sharded parameters into 1-D views: the weight-decay split is
         # decided on the shapes seen here, before any strategy wraps the model
         self._param_dims = {name: p.dim() for name, p in self.model.named_parameters()}
-        if compile:
-            # in place (nn.Module.compile): state_dict keys stay those of the eager model
+        # in place (nn.Module.compile): state_dict keys stay those of the eager model
+        if compile is True or compile == "sublayers":
+            self.model.compile_sublayers()
+        elif compile == "model":
             self.model.compile()
         self._window_start: Optional[float] = None
         self._window_tokens = self._window_batches = 0

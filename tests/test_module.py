@@ -16,8 +16,24 @@ def attach(m: LitLM, **trainer_kw) -> None:
     m.trainer = L.Trainer(max_steps=100, logger=False, enable_checkpointing=False, enable_progress_bar=False, **trainer_kw)
 
 
-def test_compiled_module_keeps_the_eager_checkpoint_keys():
-    assert list(module(compile=True).state_dict()) == list(module().state_dict())
+@pytest.mark.parametrize("compile", [True, "sublayers", "model"])
+def test_compiled_module_keeps_the_eager_checkpoint_keys(compile):
+    assert list(module(compile=compile).state_dict()) == list(module().state_dict())
+
+
+@pytest.mark.parametrize("compile, whole, sublayers", [(False, False, False), (True, False, True), ("sublayers", False, True), ("model", True, False)])
+def test_compile_chooses_the_sublayers_or_the_whole_model(compile, whole, sublayers):
+    lm = module(compile=compile).model
+    assert (lm._compiled_call_impl is not None) is whole
+    compiled = [m._compiled_call_impl is not None for b in lm.blocks for m in (b.attn_norm, b.attn, b.mlp_norm, b.mlp)]
+    assert compiled == [sublayers] * len(compiled) and (lm.norm._compiled_call_impl is not None) is sublayers
+    assert all(s._compiled_call_impl is None for s in lm.routing_sites())  # routing stays eager either way
+
+
+@pytest.mark.parametrize("bad", ["whole", "True", 1, None])
+def test_compile_rejects_an_unknown_value_by_name(bad):
+    with pytest.raises(ValueError, match=f"compile={bad!r}.*valid"):
+        module(compile=bad)
 
 
 def test_routing_parameters_train_at_their_own_learning_rate_without_weight_decay():
