@@ -1,10 +1,11 @@
 """Training throughput and peak memory of every residual variant against prenorm, in one process.
 
 A plain loop over :class:`lit_mhar.model.LM`: bf16 autocast, fused AdamW (0.9, 0.95, wd 0.1),
-random tokens, the presets' tokens per step unless ``--batch`` says otherwise. Attention, MLP and
-their pre-norms are compiled module by module (``LM.compile_sublayers``, ``LitLM(compile=True)``:
-one compilation shared by all layers; the knob ``compile-model`` compiles the whole model instead); routing runs through the fused Triton op (two-phase for block routing), which
-``torch.compile`` treats as opaque. The same compilation applies to the prenorm baseline.
+random tokens, the presets' tokens per step unless ``--batch`` says otherwise. Compiled as
+``LitLM(compile=True)`` compiles (``LM.compile_for_training("auto")``): prenorm as one graph, the
+routed variants' attention, MLP and pre-norms module by module (one compilation shared by all
+layers; knobs ``compile-model`` and ``compile-sublayers`` choose one layout); routing runs through the fused Triton op (two-phase for block routing), which
+``torch.compile`` treats as opaque.
 
 MFU = tokens/s x ``LM.flops_per_token(seq_len)`` / peak, with the datasheet's dense bf16 peak
 (989 TFLOP/s, H100/H200 SXM) and the bf16 matmul rate measured in the same run.
@@ -57,7 +58,7 @@ VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L su
     "delta-full-H8-persite": dict(residual="delta", heads=8, block_size=1, full_routing_group=1),
     "delta-full-H8-g8": dict(residual="delta", heads=8, block_size=1, full_routing_group=8),
     "delta-full-H8-g12": dict(residual="delta", heads=8, block_size=1, full_routing_group=12),
-    "hyper-dhc-n4": dict(residual="hyper", hc_rate=4, hc_dynamic=True),  # its connections run eagerly, like routing
+    "hyper-dhc-n4": dict(residual="hyper", hc_rate=4, hc_dynamic=True),  # compiled as one graph, as prenorm (nothing routed)
     # AttnRes (H = 1)
     "attnres-block8": dict(residual="attnres", heads=1, block_size="8blocks"),
     "attnres-full": dict(residual="attnres", heads=1, block_size=1),
@@ -68,12 +69,14 @@ VARIANTS = {  # name -> ModelConfig overrides (block size from 8 blocks of 2L su
 # 350m / 1b; full routing's groups of 12 for MHAR, 8 for Delta, one more where the final site joins),
 # so fwd4, fwd8 and stats4 change nothing where S has no such factor (unless fwd-sites-padded).
 TR = "lit_mhar.kernels.triton_routing"
-# What is compiled (LitLM's ``compile``): "sublayers" (LM.compile_sublayers: attention, MLP and the
-# norms module by module, routing eager) or "model" (the whole model in one graph, routing through
-# the custom op); the knob "compile-model" sets the latter for one variant.
-COMPILE_LAYOUT = "sublayers"
+# What is compiled, as LitLM(compile=True) does (LM.compile_for_training's "auto"): the whole model
+# where nothing is routed, the sublayers module by module where routing is (routing eager). Before
+# the twenty-second set every variant, prenorm included, had its sublayers compiled, which made
+# prenorm 6% slower at 350m than with its whole model compiled (BENCHMARKS.md).
+COMPILE_LAYOUT = "auto"
 KNOBS = {
-    "compile-model": {(__name__, "COMPILE_LAYOUT"): "model"},  # the whole model compiled (LitLM(compile="model")), not module by module
+    "compile-model": {(__name__, "COMPILE_LAYOUT"): "model"},  # the whole model compiled (LitLM(compile="model")), routing through the custom op
+    "compile-sublayers": {(__name__, "COMPILE_LAYOUT"): "sublayers"},  # attention, MLP and norms module by module (LitLM(compile="sublayers"); every variant's before the twenty-second set)
     "custom-op": {(TR, "EAGER_FUNCTION"): False},  # eager calls through the custom op's autograd
     "fwd1": {(TR, "FWD_SITES"): 1},  # one site per forward program
     "fwd4": {(TR, "FWD_SITES"): 4},
@@ -206,10 +209,8 @@ def training_parts(scale, overrides, batch, seq, compile_):
     torch.manual_seed(0)
     with torch.device(DEVICE):  # initialise on the device: seconds instead of a minute at 1b
         model = LM(cfg)
-    if compile_ and COMPILE_LAYOUT == "model":
-        model.compile()
-    elif compile_:
-        model.compile_sublayers()
+    if compile_:
+        model.compile_for_training(COMPILE_LAYOUT)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=DEVICE == "cuda")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=DEVICE, generator=gen)

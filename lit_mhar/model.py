@@ -271,6 +271,10 @@ def route(site: RoutingSite, history: DepthHistory, stream: Optional[Tensor], we
     return out
 
 
+# LM.compile_for_training's layouts.
+COMPILE_LAYOUTS = ("auto", "sublayers", "model")
+
+
 class LM(nn.Module):
     """Decoder-only language model over token ids ``[B, T]`` (int64) giving logits ``[B, T, V]``.
 
@@ -397,6 +401,33 @@ class LM(nn.Module):
         for block in self.blocks:
             block.activation_checkpointing = enabled
 
+    def compile_for_training(self, layout: str = "auto", **compile_kwargs) -> str:
+        """``torch.compile`` the model in place for training and return the layout used.
+
+        ``layout``: ``"sublayers"`` (:meth:`compile_sublayers`), ``"model"`` (the whole model as one
+        graph, ``nn.Module.compile``; routing through the kernels' ``torch.library`` custom op), or
+        ``"auto"``: the whole model where nothing is routed (prenorm, Hyper-Connections), the
+        sublayers where depth routing is, so that routing runs eagerly on the fused kernels with
+        their eager-only savings. Measured on one H200 at 350m (BENCHMARKS.md, twenty-second set):
+        the whole model made prenorm 1.060x as fast as its sublayers compiled module by module;
+        block MHAR ran at 0.979x with the whole model against 0.986x with its sublayers (x
+        prenorm's sublayers), the same peak memory; Delta block at 0.919x against 0.881x, but
+        with 1.147x prenorm's peak memory against 1.026x (the custom op saves the float32 stream).
+        State-dict keys are unchanged.
+
+        Raises:
+            ValueError: an unknown ``layout`` (valid: ``COMPILE_LAYOUTS``).
+        """
+        if layout not in COMPILE_LAYOUTS:
+            raise ValueError(f"LM.compile_for_training: layout={layout!r}; valid: {list(COMPILE_LAYOUTS)}")
+        if layout == "auto":
+            layout = "sublayers" if self.cfg.routed else "model"
+        if layout == "model":
+            self.compile(**compile_kwargs)
+        else:
+            self.compile_sublayers(**compile_kwargs)
+        return layout
+
     def compile_sublayers(self, **compile_kwargs) -> None:
         """``torch.compile`` every sublayer and norm module by module, in place (``nn.Module.compile``).
 
@@ -405,8 +436,7 @@ class LM(nn.Module):
         stream's additions stay eager, so the routing runs on the fused Triton kernels with the
         eager-only savings (:class:`lit_mhar.kernels.GradientSink`, the Delta form's replayed
         stream, the merges' saved routed value) that a compile of the whole model, which routes
-        through the ``torch.library`` custom op, leaves out. This is the layout
-        ``benchmarks/bench_training.py`` measures for every variant, prenorm included.
+        through the ``torch.library`` custom op, leaves out.
         State-dict keys are unchanged. ``compile_kwargs`` go to ``nn.Module.compile``.
         """
         for block in self.blocks:

@@ -18,7 +18,7 @@ from lit_mhar.routing import routing_stats
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import FSDPStrategy
 
-# LitLM's ``compile`` values: off, the sublayers module by module (True is "sublayers"), the whole model.
+# LitLM's ``compile`` values: off, LM.compile_for_training's "auto" (True), or one of its layouts.
 COMPILE_CHOICES = (False, True, "sublayers", "model")
 
 # Dense bf16 peak of the GPUs we know, in FLOP/s (vendor datasheets, SXM parts), for MFU.
@@ -85,13 +85,12 @@ class LitLM(L.LightningModule):
             hyper-connection weights) train at ``lr * routing_lr_multiplier`` (Delta AttnRes
             fine-tuning used about 100x).
         routing_log_every_n_steps: how often routing statistics are computed and logged (0: never).
-        compile: ``torch.compile`` the model; checkpoints load with or without it. ``true`` or
-            ``"sublayers"``: attention, MLP and every norm module by module
-            (:meth:`lit_mhar.model.LM.compile_sublayers`), routing and the residual stream eager,
-            routing on the fused kernels with their eager-only savings: the layout every
-            throughput figure in BENCHMARKS.md was measured with, prenorm included.
-            ``"model"``: the whole model as one graph (``nn.Module.compile``), routing through
-            the kernels' ``torch.library`` custom op. ``false``: eager.
+        compile: ``torch.compile`` the model (:meth:`lit_mhar.model.LM.compile_for_training`);
+            checkpoints load with or without it. ``true``: the whole model where nothing is routed
+            (prenorm, Hyper-Connections), else attention, MLP and every norm module by module with
+            routing eager on the fused kernels (the layouts BENCHMARKS.md measures since its
+            twenty-second set). ``"sublayers"`` or ``"model"`` choose one for every variant.
+            ``false``: eager.
         activation_checkpointing: Recompute every sublayer (routing, pre-norm, attention / MLP) in
             the backward pass instead of keeping its activations (``torch.utils.checkpoint``,
             non-reentrant; see :class:`lit_mhar.model.LM`): between forward and backward only the
@@ -152,11 +151,8 @@ class LitLM(L.LightningModule):
         # FSDP (use_orig_params) turns sharded parameters into 1-D views: the weight-decay split is
         # decided on the shapes seen here, before any strategy wraps the model
         self._param_dims = {name: p.dim() for name, p in self.model.named_parameters()}
-        # in place (nn.Module.compile): state_dict keys stay those of the eager model
-        if compile is True or compile == "sublayers":
-            self.model.compile_sublayers()
-        elif compile == "model":
-            self.model.compile()
+        if compile is not False:  # in place (nn.Module.compile): state_dict keys stay those of the eager model
+            self.model.compile_for_training("auto" if compile is True else compile)
         self._window_start: Optional[float] = None
         self._window_tokens = self._window_batches = 0
         self._window_shape: tuple[torch.device, int] = (torch.device("cpu"), 0)  # device and sequence length of the last batch

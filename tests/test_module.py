@@ -21,13 +21,27 @@ def test_compiled_module_keeps_the_eager_checkpoint_keys(compile):
     assert list(module(compile=compile).state_dict()) == list(module().state_dict())
 
 
-@pytest.mark.parametrize("compile, whole, sublayers", [(False, False, False), (True, False, True), ("sublayers", False, True), ("model", True, False)])
-def test_compile_chooses_the_sublayers_or_the_whole_model(compile, whole, sublayers):
-    lm = module(compile=compile).model
+@pytest.mark.parametrize(
+    "residual, compile, whole, sublayers",
+    [
+        ("delta", False, False, False), ("delta", True, False, True), ("delta", "sublayers", False, True), ("delta", "model", True, False),
+        ("prenorm", True, True, False), ("hyper", True, True, False), ("attnres", True, False, True), ("prenorm", "sublayers", False, True),
+    ],
+)
+def test_compile_true_compiles_the_whole_model_unless_it_routes_then_its_sublayers(residual, compile, whole, sublayers):
+    routed = dict(heads=2) if residual in ("attnres", "delta") else {}
+    lm = LitLM(ModelConfig.from_name("debug", residual=residual, vocab_size=64, seq_len=16, **routed), compile=compile).model
     assert (lm._compiled_call_impl is not None) is whole
     compiled = [m._compiled_call_impl is not None for b in lm.blocks for m in (b.attn_norm, b.attn, b.mlp_norm, b.mlp)]
     assert compiled == [sublayers] * len(compiled) and (lm.norm._compiled_call_impl is not None) is sublayers
-    assert all(s._compiled_call_impl is None for s in lm.routing_sites())  # routing stays eager either way
+    assert all(s._compiled_call_impl is None for s in lm.routing_sites())  # a routing site is never compiled on its own
+
+
+def test_compile_for_training_rejects_an_unknown_layout_by_name():
+    lm = module().model
+    with pytest.raises(ValueError, match="layout='blocks'.*valid"):
+        lm.compile_for_training("blocks")
+    assert lm._compiled_call_impl is None and lm.blocks[0].attn._compiled_call_impl is None
 
 
 @pytest.mark.parametrize("bad", ["whole", "True", 1, None])
