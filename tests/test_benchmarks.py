@@ -145,3 +145,63 @@ def test_host_overhead_refuses_bad_arguments_before_any_work(host_overhead_cpu, 
     with pytest.raises(SystemExit) as e:
         host_overhead_cpu.main(argv)
     assert e.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+@pytest.fixture
+def bench_training(monkeypatch):
+    yield from _benchmark_script(monkeypatch, "bench_training")
+
+
+@pytest.mark.parametrize("variant, layout", [("prenorm", "model"), ("mhar-block8-H8", "sublayers"), ("prenorm:compile-sublayers", "sublayers"),
+                                             ("delta-block8-H8:compile-model", "model")])
+def test_training_benchmark_compiles_as_litlm_does_unless_a_knob_says(bench_training, monkeypatch, variant, layout):
+    """The benchmark's layout is LitLM(compile=True)'s (the whole model unless it routes), or the knob's."""
+    from lit_mhar import LM
+
+    monkeypatch.setattr(bench_training, "DEVICE", "cpu")
+    used = []
+    real = LM.compile_for_training
+    monkeypatch.setattr(LM, "compile_for_training", lambda self, layout="auto", **kw: used.append(real(self, layout, backend="eager")))
+    overrides, knob_names = bench_training.split_variant(variant)
+    with bench_training.knobs(knob_names):
+        bench_training.training_parts("debug", overrides, 1, 8, compile_=True)
+    assert used == [layout] and bench_training.COMPILE_LAYOUT == "auto"  # (the knob restored)
+
+
+@pytest.fixture
+def bench_fit(monkeypatch):
+    yield from _benchmark_script(monkeypatch, "bench_fit")
+
+
+def test_fit_benchmark_reads_throughput_windows_in_step_order(bench_fit, tmp_path):
+    path = tmp_path / "metrics.csv"
+    path.write_text("epoch,perf/tokens_per_s,step,train/loss\n,300.5,19,\n0,,19,2.5\n,100,9,\n,,0,\n")
+    assert bench_fit.read_windows(str(path), "perf/tokens_per_s") == [100.0, 300.5]
+    assert bench_fit.read_windows(str(path), "perf/mfu") == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--configs", "configs/no_such.yaml"], "no such file"),
+    (["--configs", "configs/debug.yaml", "--steps", "0"], "--steps 0 and"),
+    (["--configs", "configs/debug.yaml", "--steps", "20", "--log-every", "10", "--skip", "2"], "gives no window after the 2 skipped"),
+])
+def test_fit_benchmark_refuses_bad_arguments_before_any_work(bench_fit, argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        bench_fit.main([argv[0], str(BENCHMARKS.parent / argv[1]), *argv[2:], "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_fit_benchmark_times_a_real_fit_and_never_overwrites_its_logs(bench_fit, small_corpus, tmp_path):
+    """One real ``lit-mhar fit`` on the CPU: a row with the median throughput of the windows after
+    the skipped one; a second run into the same folder refuses before starting."""
+    extra = ["--data.data_dir", str(small_corpus), "--data.seq_len", "32", "--data.batch_size", "2", "--trainer.accelerator", "cpu",
+             "--trainer.limit_val_batches", "1", "--model.routing_log_every_n_steps", "0"]
+    config = str(BENCHMARKS.parent / "configs" / "debug" / "block_mhar.yaml")
+    row = bench_fit.run_config(config, steps=6, log_every=2, skip=1, extra=extra, out=str(tmp_path), index=0)
+    assert row["status"] == "ok", row
+    assert row["windows"] == 2 and float(row["tokens_per_s"]) > 0
+    assert not list(tmp_path.rglob("*.ckpt"))  # checkpoints removed, logs kept
+    assert list(tmp_path.rglob("metrics.csv")) and (tmp_path / "fit_0.log").is_file()
+    with pytest.raises(FileExistsError, match="fit_logs_0 exists"):
+        bench_fit.run_config(config, steps=6, log_every=2, skip=1, extra=extra, out=str(tmp_path), index=0)
