@@ -202,8 +202,8 @@ def variant_config(scale, overrides, **fields) -> ModelConfig:
 
 
 def training_parts(scale, overrides, batch, seq, compile_):
-    """``(model, forward, update)`` of a variant: the LM on the device (its sublayers compiled with
-    ``compile_``); ``forward()`` returns the loss (bf16 autocast, cross-entropy on fixed random
+    """``(model, forward, update)`` of a variant: the LM on the device (with ``compile_``, compiled
+    as :data:`COMPILE_LAYOUT` says); ``forward()`` returns the loss (bf16 autocast, cross-entropy on fixed random
     tokens ``[batch, seq]``); ``update()`` clips the gradients and takes a fused AdamW step."""
     cfg = variant_config(scale, overrides)
     torch.manual_seed(0)
