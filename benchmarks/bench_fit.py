@@ -5,13 +5,15 @@ hundred steps by the real command (Lightning's loop, the litdata loader, the log
 Each config runs in its own ``python -m lit_mhar.cli fit`` process, logging to a CSVLogger in
 ``--out`` (no MLflow run is made) with validation and routing statistics at the configs' settings
 unless overridden; the throughput is the median of the logged ``perf/tokens_per_s`` windows
-after the first ``--skip`` (compilation, warm-up). Ratios are against the first config of the run.
+after the first ``--skip`` (compilation, warm-up). Ratios are against the first config of the run
+that completed.
 
     python benchmarks/bench_fit.py --configs configs/350m/prenorm.yaml,configs/350m/block_mhar.yaml \\
         --steps 120 --out results/ -- --model.compile true
 
-Arguments after ``--`` go to every ``fit`` command. Writes ``fit_bench.csv`` (one row per config)
-in ``--out`` and prints it; the default corpus is built by the first fit in the current folder
+Arguments after ``--`` go to every ``fit`` command. Appends one row per config to
+``fit_bench.csv`` in ``--out`` as each fit ends and prints it; refuses an ``--out`` holding an
+earlier run's logs; the default corpus is built by the first fit in the current folder
 (``data/stdlib``) if it is not there.
 """
 
@@ -53,6 +55,8 @@ def run_config(config: str, steps: int, log_every: int, skip: int, extra: list[s
     with open(os.path.join(out, f"fit_{index}.log"), "w") as fh:
         fh.write(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
     metrics = [os.path.join(root, "metrics.csv") for root, _, files in os.walk(save_dir) if "metrics.csv" in files]
+    for ckpt_dir in [os.path.join(root, d) for root, dirs, _ in os.walk(save_dir) for d in dirs if d == "checkpoints"]:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)  # (a 350m checkpoint is gigabytes; the logs stay)
     if proc.returncode != 0 or not metrics:
         return {**row, "status": "error", "note": (proc.stderr.strip().splitlines() or ["no metrics.csv"])[-1][:300]}
     tokens = read_windows(metrics[0], "perf/tokens_per_s")[skip:]
@@ -64,8 +68,6 @@ def run_config(config: str, steps: int, log_every: int, skip: int, extra: list[s
         status="ok", windows=len(tokens), tokens_per_s=f"{statistics.median(tokens):.0f}",
         mfu=f"{statistics.median(mfu):.3f}" if mfu else "", peak_memory_gb=f"{max(peak):.2f}" if peak else "",
     )
-    for ckpt_dir in [os.path.join(root, d) for root, dirs, _ in os.walk(save_dir) for d in dirs if d == "checkpoints"]:
-        shutil.rmtree(ckpt_dir, ignore_errors=True)  # (a 350m checkpoint is gigabytes; the logs stay)
     return row
 
 
@@ -88,23 +90,26 @@ def main(argv=None) -> int:
         ap.error(f"--steps {args.steps} and --log-every {args.log_every} must be >= 1, --skip {args.skip} >= 0")
     if args.steps // args.log_every <= args.skip:
         ap.error(f"--steps {args.steps} / --log-every {args.log_every} gives no window after the {args.skip} skipped")
+    taken = [d for i in range(len(configs)) if os.path.exists(d := os.path.join(args.out, f"fit_logs_{i}"))]
+    if taken:
+        ap.error(f"--out {args.out}: {taken} exist from an earlier run; choose another --out (nothing is overwritten)")
     os.makedirs(args.out, exist_ok=True)
-    rows, base = [], None
+    path = os.path.join(args.out, "fit_bench.csv")
+    statuses, base = [], None
     for i, config in enumerate(configs):
         row = run_config(config, args.steps, args.log_every, args.skip, extra, args.out, i)
         if row["status"] == "ok":
             base = base or float(row["tokens_per_s"])
             row["ratio"] = f"{float(row['tokens_per_s']) / base:.3f}"
-        rows.append(row)
+        statuses.append(row["status"])
         print(" ".join(f"{k}={row.get(k, '')}" for k in FIELDS), flush=True)
-    path = os.path.join(args.out, "fit_bench.csv")
-    new = not os.path.exists(path)
-    with open(path, "a", newline="") as fh:
-        writer = csv.DictWriter(fh, FIELDS)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
+        new = not os.path.exists(path)
+        with open(path, "a", newline="") as fh:  # row by row: a run stopped by a time limit keeps the rows before
+            writer = csv.DictWriter(fh, FIELDS)
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+    return 0 if all(s == "ok" for s in statuses) else 1
 
 
 if __name__ == "__main__":

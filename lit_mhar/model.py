@@ -408,11 +408,11 @@ class LM(nn.Module):
         graph, ``nn.Module.compile``; routing through the kernels' ``torch.library`` custom op), or
         ``"auto"``: the whole model where nothing is routed (prenorm, Hyper-Connections), the
         sublayers where depth routing is, so that routing runs eagerly on the fused kernels with
-        their eager-only savings. Measured on one H200 at 350m (BENCHMARKS.md, twenty-second set):
-        the whole model made prenorm 1.060x as fast as its sublayers compiled module by module;
-        block MHAR ran at 0.979x with the whole model against 0.986x with its sublayers (x
-        prenorm's sublayers), the same peak memory; Delta block at 0.919x against 0.881x, but
-        with 1.147x prenorm's peak memory against 1.026x (the custom op saves the float32 stream).
+        their eager-only savings. Measured on one H200 at 350m (BENCHMARKS.md, twenty-second set),
+        tokens/s x prenorm compiled whole: prenorm with its sublayers compiled module by module
+        0.944; block MHAR 0.924 compiled whole against 0.931 with its sublayers, the same peak
+        memory; Delta block 0.867 against 0.831, but with 1.149x prenorm's peak memory against
+        1.027x (through the custom op it saves the float32 stream of every sublayer).
         State-dict keys are unchanged.
 
         Raises:

@@ -192,6 +192,15 @@ def test_fit_benchmark_refuses_bad_arguments_before_any_work(bench_fit, argv, me
     assert not (tmp_path / "out").exists()
 
 
+def test_fit_benchmark_refuses_an_out_folder_with_earlier_logs_before_any_fit(bench_fit, tmp_path, capsys, monkeypatch):
+    (tmp_path / "fit_logs_1").mkdir()
+    monkeypatch.setattr(bench_fit, "run_config", lambda *a, **k: pytest.fail("a fit started"))
+    config = str(BENCHMARKS.parent / "configs" / "debug.yaml")
+    with pytest.raises(SystemExit) as e:
+        bench_fit.main(["--configs", f"{config},{config}", "--steps", "30", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "fit_logs_1" in capsys.readouterr().err
+
+
 def test_fit_benchmark_times_a_real_fit_and_never_overwrites_its_logs(bench_fit, small_corpus, tmp_path):
     """One real ``lit-mhar fit`` on the CPU: a row with the median throughput of the windows after
     the skipped one; a second run into the same folder refuses before starting."""

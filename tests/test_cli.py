@@ -40,6 +40,26 @@ def test_every_config_parses(config, capsys):
     assert "residual:" in printed and "block_size:" in printed
 
 
+@pytest.mark.parametrize("value, printed", [("true", "compile: true"), ("model", "compile: model"), ("sublayers", "compile: sublayers"), ("false", "compile: false")])
+def test_compile_takes_a_layout_or_a_bool_on_the_command_line(value, printed, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(ROOT / "configs" / "350m" / "block_mhar.yaml"), "--model.compile", value, "--print_config"])
+    assert exit_.value.code == 0 and printed in capsys.readouterr().out
+
+
+def test_gpu_configs_train_compiled(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(ROOT / "configs" / "350m" / "prenorm.yaml"), "--print_config"])
+    assert "  compile: true" in capsys.readouterr().out
+
+
+def test_an_unknown_compile_layout_is_refused_naming_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(ROOT / "configs" / "debug.yaml"), "--model.compile", "whole", "--print_config"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "model.compile" in err and "whole" in err and "'sublayers', 'model'" in err
+
+
 def test_top_level_help_lists_every_command(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

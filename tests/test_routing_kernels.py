@@ -1816,16 +1816,17 @@ def test_blocks_compiled_one_by_one_match_the_eager_model(residual):
         torch.testing.assert_close(g_c[name], g_e[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("residual", ["attnres", "delta"])
-def test_sublayers_compiled_keep_routing_eager_on_the_sink_and_match_the_eager_model(residual, monkeypatch):
+@pytest.mark.parametrize("residual, checkpointing", [("attnres", False), ("delta", False), ("attnres", True), ("delta", True)])
+def test_sublayers_compiled_keep_routing_eager_on_the_sink_and_match_the_eager_model(residual, checkpointing, monkeypatch):
     """``LM.compile_sublayers``: attention, MLP and norms compiled, routing eager, so the depth
     history keeps its gradient sink (which a compiled caller would bypass) and loss and gradients
-    equal the eager model's."""
+    equal the eager model's; also with every sublayer checkpointed around its compiled modules."""
     import copy
 
     from lit_mhar.kernels import sink as sink_mod
 
     model = tiny_model(residual, 2, 2, n_layer=3)
+    model.activation_checkpointing = checkpointing
     compiled = copy.deepcopy(model)
     compiled.compile_sublayers(backend="aot_eager")
     assert compiled.blocks[0].attn._compiled_call_impl is not None and compiled._compiled_call_impl is None
@@ -1834,14 +1835,16 @@ def test_sublayers_compiled_keep_routing_eager_on_the_sink_and_match_the_eager_m
     monkeypatch.setattr(sink_mod.GradientSink, "advance", lambda self, *a: advances.append(1) or real_advance(self, *a))
     idx = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     grads, counts = [], []
-    for m in (model, compiled):
-        with use_backend("triton"):
-            loss = torch.nn.functional.cross_entropy(m(idx).flatten(0, 1), idx.flatten())
-        loss.backward()
-        grads.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
-        counts.append(len(advances))
-        advances.clear()
-    torch._dynamo.reset()
+    try:
+        for m in (model, compiled):
+            with use_backend("triton"):  # (the backward too: checkpointed sublayers recompute in it)
+                loss = torch.nn.functional.cross_entropy(m(idx).flatten(0, 1), idx.flatten())
+                loss.backward()
+            grads.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+            counts.append(len(advances))
+            advances.clear()
+    finally:
+        torch._dynamo.reset()
     assert counts[0] > 0 and counts[1] == counts[0]  # the running sums advanced through the sink in both
     (loss_e, g_e), (loss_c, g_c) = grads
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
