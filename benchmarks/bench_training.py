@@ -72,7 +72,7 @@ TR = "lit_mhar.kernels.triton_routing"
 # What is compiled, as LitLM(compile=True) does (LM.compile_for_training's "auto"): the whole model
 # where nothing is routed, the sublayers module by module where routing is (routing eager). Before
 # the twenty-second set every variant, prenorm included, had its sublayers compiled, which made
-# prenorm 6% slower at 350m than with its whole model compiled (BENCHMARKS.md).
+# prenorm 4.4% / 5.6% / 8.1-9.1% slower at 1b / 350m / 100m than compiled whole (BENCHMARKS.md).
 COMPILE_LAYOUT = "auto"
 KNOBS = {
     "compile-model": {(__name__, "COMPILE_LAYOUT"): "model"},  # the whole model compiled (LitLM(compile="model")), routing through the custom op
