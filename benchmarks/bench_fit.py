@@ -9,7 +9,7 @@ after the first ``--skip`` (compilation, warm-up). Ratios are against the first 
 that completed.
 
     python benchmarks/bench_fit.py --configs configs/350m/prenorm.yaml,configs/350m/block_mhar.yaml \\
-        --steps 120 --out results/ -- --model.compile true
+        --steps 120 --out results/ -- --model.compile sublayers
 
 Arguments after ``--`` go to every ``fit`` command. Appends one row per config to
 ``fit_bench.csv`` in ``--out`` as each fit ends and prints it; refuses an ``--out`` holding an
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     configs = args.configs.split(",")
-    missing = [c for c in configs if not os.path.isfile(c)]
+    missing = [c for c in configs if not c or not os.path.isfile(c)]
     if missing:
         ap.error(f"--configs: no such file: {missing}")
     if args.steps < 1 or args.log_every < 1 or args.skip < 0:

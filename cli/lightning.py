@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 import lit_mhar
 from lit_mhar.convert import CHECKPOINT_LAYOUT
 from lit_mhar.data import TokenDataModule
-from lit_mhar.module import LitLM
+from lit_mhar.module import LitLM, check_compile
 from lit_mhar.tracking import check_tracking_uri, redact
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -242,6 +242,8 @@ class LitMharCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_accelerator(config.get("trainer.accelerator"), config.get("trainer.devices"))
         check_ckpt_path(config.get("ckpt_path"))
+        if config.get("model.compile") is not None:
+            check_compile(config.get("model.compile"))
         if self.subcommand == "fit":
             check_trainer_limits(config.get("trainer.max_steps", -1), config.get("trainer.max_epochs"))
             check_checkpoint_dirpath(config.get("checkpoint.dirpath"))

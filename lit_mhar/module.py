@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import lightning as L
 import torch
@@ -18,8 +18,15 @@ from lit_mhar.routing import routing_stats
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import FSDPStrategy
 
-# LitLM's ``compile`` values: off, LM.compile_for_training's "auto" (True), or one of its layouts.
-COMPILE_CHOICES = (False, True, "sublayers", "model")
+# LitLM's ``compile`` values: off, or LM.compile_for_training's layouts (True is "auto").
+COMPILE_CHOICES = (False, True, "auto", "sublayers", "model")
+
+def check_compile(compile: Any) -> None:
+    """Raises ValueError unless ``compile`` is one of :data:`COMPILE_CHOICES` (LitLM's ``compile``;
+    the fit CLI checks it before any work)."""
+    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile in COMPILE_CHOICES)):
+        raise ValueError(f"LitLM: compile={compile!r}; valid: {list(COMPILE_CHOICES)}")
+
 
 # Dense bf16 peak of the GPUs we know, in FLOP/s (vendor datasheets, SXM parts), for MFU.
 PEAK_BF16_FLOPS: dict[str, float] = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
@@ -86,11 +93,11 @@ class LitLM(L.LightningModule):
             fine-tuning used about 100x).
         routing_log_every_n_steps: how often routing statistics are computed and logged (0: never).
         compile: ``torch.compile`` the model (:meth:`lit_mhar.model.LM.compile_for_training`);
-            checkpoints load with or without it. ``true``: the whole model where nothing is routed
-            (prenorm, Hyper-Connections), else attention, MLP and every norm module by module with
-            routing eager on the fused kernels (the layouts BENCHMARKS.md measures since its
-            twenty-second set). ``"sublayers"`` or ``"model"`` choose one for every variant.
-            ``false``: eager.
+            checkpoints load with or without it. ``true`` or ``"auto"``: the whole model where
+            nothing is routed (prenorm, Hyper-Connections), else attention, MLP and every norm
+            module by module with routing eager on the fused kernels (the layouts BENCHMARKS.md
+            measures since its twenty-second set). ``"sublayers"`` or ``"model"`` choose one for
+            every variant. ``false``: eager. Other values raise ValueError.
         activation_checkpointing: Recompute every sublayer (routing, pre-norm, attention / MLP) in
             the backward pass instead of keeping its activations (``torch.utils.checkpoint``,
             non-reentrant; see :class:`lit_mhar.model.LM`): between forward and backward only the
@@ -125,13 +132,12 @@ class LitLM(L.LightningModule):
         adam_eps: float = 1e-8,
         routing_lr_multiplier: float = 1.0,
         routing_log_every_n_steps: int = 50,
-        compile: Union[bool, Literal["sublayers", "model"]] = False,
+        compile: Union[bool, str] = False,
         init_from: Optional[str] = None,
         activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
-        if not (isinstance(compile, bool) or (isinstance(compile, str) and compile in COMPILE_CHOICES)):
-            raise ValueError(f"LitLM: compile={compile!r}; valid: {list(COMPILE_CHOICES)}")
+        check_compile(compile)
         if lr <= 0 or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0 or routing_lr_multiplier <= 0:
             raise ValueError(
                 f"LitLM: need lr > 0 (got {lr}), 0 <= min_lr_ratio <= 1 (got {min_lr_ratio}), "

@@ -40,7 +40,8 @@ def test_every_config_parses(config, capsys):
     assert "residual:" in printed and "block_size:" in printed
 
 
-@pytest.mark.parametrize("value, printed", [("true", "compile: true"), ("model", "compile: model"), ("sublayers", "compile: sublayers"), ("false", "compile: false")])
+@pytest.mark.parametrize("value, printed", [("true", "compile: true"), ("model", "compile: model"), ("sublayers", "compile: sublayers"), ("false", "compile: false"),
+                                            ("auto", "compile: auto")])
 def test_compile_takes_a_layout_or_a_bool_on_the_command_line(value, printed, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["fit", "--config", str(ROOT / "configs" / "350m" / "block_mhar.yaml"), "--model.compile", value, "--print_config"])
@@ -53,11 +54,15 @@ def test_gpu_configs_train_compiled(capsys):
     assert "  compile: true" in capsys.readouterr().out
 
 
-def test_an_unknown_compile_layout_is_refused_naming_the_choices(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--config", str(ROOT / "configs" / "debug.yaml"), "--model.compile", "whole", "--print_config"])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "model.compile" in err and "whole" in err and "'sublayers', 'model'" in err
+def test_an_unknown_compile_layout_is_one_line_naming_the_choices(stdlib_corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", "fit", "--config", str(ROOT / "configs" / "debug.yaml"), "--model.compile", "whole",
+                                      "--trainer.accelerator", "cpu", "--data.data_dir", str(stdlib_corpus)])
+    assert main() == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "compile='whole'" in line and "'auto', 'sublayers', 'model'" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # refused before any run or folder
 
 
 def test_top_level_help_lists_every_command(capsys):

@@ -26,6 +26,7 @@ def test_compiled_module_keeps_the_eager_checkpoint_keys(compile):
     [
         ("delta", False, False, False), ("delta", True, False, True), ("delta", "sublayers", False, True), ("delta", "model", True, False),
         ("prenorm", True, True, False), ("hyper", True, True, False), ("attnres", True, False, True), ("prenorm", "sublayers", False, True),
+        ("prenorm", "auto", True, False), ("attnres", "auto", False, True),
     ],
 )
 def test_compile_true_compiles_the_whole_model_unless_it_routes_then_its_sublayers(residual, compile, whole, sublayers):
@@ -44,7 +45,7 @@ def test_compile_for_training_rejects_an_unknown_layout_by_name():
     assert lm._compiled_call_impl is None and lm.blocks[0].attn._compiled_call_impl is None
 
 
-@pytest.mark.parametrize("bad", ["whole", "True", 1, None])
+@pytest.mark.parametrize("bad", ["whole", "True", "", 1, 0, None])
 def test_compile_rejects_an_unknown_value_by_name(bad):
     with pytest.raises(ValueError, match=f"compile={bad!r}.*valid"):
         module(compile=bad)
