@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lit_mhar.config import ModelConfig
-from lit_mhar.model import LM
+from lit_mhar.model import COMPILE_LAYOUTS, LM
 from lit_mhar.routing import routing_stats
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import FSDPStrategy
 
 # LitLM's ``compile`` values: off, or LM.compile_for_training's layouts (True is "auto").
-COMPILE_CHOICES = (False, True, "auto", "sublayers", "model")
+COMPILE_CHOICES = (False, True, *COMPILE_LAYOUTS)
 
 def check_compile(compile: Any) -> None:
     """Raises ValueError unless ``compile`` is one of :data:`COMPILE_CHOICES` (LitLM's ``compile``;

@@ -169,20 +169,26 @@ def test_the_resolved_model_shape_is_logged_as_hyperparameters(tmp_path):
     assert logged["model/heads"] == 2 and logged["model/residual"] == "attnres" and logged["model/vocab_size"] == 64
 
 
-def test_throughput_is_logged_when_validation_comes_before_a_full_window(tmp_path):
-    """val_check_interval (3) < log_every_n_steps (10): validation ends each window early; each one is
-    still measured (before, every window was dropped at validation and no tokens/s was ever logged)."""
+def _throughput_steps(tmp_path, samples: int, **trainer_kw) -> list[int]:
+    """Fits a one-layer model on ``samples`` random sequences (batches of 2, one validation batch)
+    with a CSVLogger in ``tmp_path``; the steps at which ``perf/tokens_per_s`` was logged."""
     import csv
 
     from lightning.pytorch.loggers import CSVLogger
 
     m = LitLM(ModelConfig.from_name("debug", n_layer=1, d_model=32, n_head=2, n_kv_head=1, ffn_dim=32, vocab_size=64, seq_len=16), warmup_steps=1)
-    loader = torch.utils.data.DataLoader(torch.randint(0, 64, (64, 17)), batch_size=2)
-    trainer = L.Trainer(max_steps=12, log_every_n_steps=10, val_check_interval=3, limit_val_batches=1, logger=CSVLogger(tmp_path),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    loader = torch.utils.data.DataLoader(torch.randint(0, 64, (samples, 17)), batch_size=2)
+    trainer = L.Trainer(limit_val_batches=1, logger=CSVLogger(tmp_path), enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, **trainer_kw)
     trainer.fit(m, loader, loader)
     with open(next(tmp_path.rglob("metrics.csv"))) as f:
-        logged = [int(r["step"]) for r in csv.DictReader(f) if r.get("perf/tokens_per_s")]
+        return [int(r["step"]) for r in csv.DictReader(f) if r.get("perf/tokens_per_s")]
+
+
+def test_throughput_is_logged_when_validation_comes_before_a_full_window(tmp_path):
+    """val_check_interval (3) < log_every_n_steps (10): validation ends each window early; each one is
+    still measured (before, every window was dropped at validation and no tokens/s was ever logged)."""
+    logged = _throughput_steps(tmp_path, samples=64, max_steps=12, log_every_n_steps=10, val_check_interval=3)
     assert len(logged) >= 3 and len(set(logged)) == len(logged), logged
 
 
@@ -305,15 +311,5 @@ def test_progress_bar_loss_with_logging_off_fast_dev_run_and_a_second_fit():
 def test_no_throughput_window_ends_every_step_when_logging_is_off(tmp_path):
     """log_every_n_steps=0 (Lightning's "never log"): throughput windows end at validations only,
     not after every batch (each end waits for the GPU and writes perf/tokens_per_s to the loggers)."""
-    import csv
-
-    from lightning.pytorch.loggers import CSVLogger
-
-    m = LitLM(ModelConfig.from_name("debug", n_layer=1, d_model=32, n_head=2, n_kv_head=1, ffn_dim=32, vocab_size=64, seq_len=16), warmup_steps=1)
-    loader = torch.utils.data.DataLoader(torch.randint(0, 64, (32, 17)), batch_size=2)
-    trainer = L.Trainer(max_steps=8, log_every_n_steps=0, val_check_interval=4, limit_val_batches=1, logger=CSVLogger(tmp_path),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(m, loader, loader)
-    with open(next(tmp_path.rglob("metrics.csv"))) as f:
-        perf = [int(r["step"]) for r in csv.DictReader(f) if r.get("perf/tokens_per_s")]
+    perf = _throughput_steps(tmp_path, samples=32, max_steps=8, log_every_n_steps=0, val_check_interval=4)
     assert perf == [3, 7], perf  # the two validations' window ends
