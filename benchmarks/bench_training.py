@@ -74,7 +74,12 @@ TR = "lit_mhar.kernels.triton_routing"
 # the twenty-second set every variant, prenorm included, had its sublayers compiled, which made
 # prenorm 4.4% / 5.6% / 8.1-9.1% slower at 1b / 350m / 100m than compiled whole (BENCHMARKS.md).
 COMPILE_LAYOUT = "auto"
+# With True, the whole training step (forward, backward, clipping, AdamW with capturable=True) is
+# captured once as a CUDA graph after the warm-up steps and replayed: the host enqueues one graph
+# per step instead of every kernel (knob "cuda-graph"; prenorm needs it too for a fair ratio).
+CUDA_GRAPH = False
 KNOBS = {
+    "cuda-graph": {(__name__, "CUDA_GRAPH"): True},  # the step captured as one CUDA graph and replayed
     "compile-model": {(__name__, "COMPILE_LAYOUT"): "model"},  # the whole model compiled (LitLM(compile="model")), routing through the custom op
     "compile-sublayers": {(__name__, "COMPILE_LAYOUT"): "sublayers"},  # attention, MLP and norms module by module (LitLM(compile="sublayers"); every variant's before the twenty-second set)
     "custom-op": {(TR, "EAGER_FUNCTION"): False},  # eager calls through the custom op's autograd
@@ -211,7 +216,9 @@ def training_parts(scale, overrides, batch, seq, compile_):
         model = LM(cfg)
     if compile_:
         model.compile_for_training(COMPILE_LAYOUT)
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=DEVICE == "cuda")
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=5e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=DEVICE == "cuda", capturable=CUDA_GRAPH and DEVICE == "cuda"
+    )
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=DEVICE, generator=gen)
     x, y = idx[:, :-1], idx[:, 1:]
@@ -240,7 +247,35 @@ def training_step(scale, overrides, batch, seq, compile_):
         update()
         return loss
 
+    if CUDA_GRAPH and DEVICE == "cuda":
+        return model, graphed(step)
     return model, step
+
+
+def graphed(step, warmup: int = 3):
+    """``step`` (no arguments, returns a tensor) run ``warmup`` times on a side stream (compilation,
+    Triton's autotuning, the optimiser's state), then captured as one CUDA graph; the returned
+    closure replays it and returns the captured output tensor (overwritten by each replay). The
+    peak memory statistics are reset before the capture, so ``max_memory_allocated`` afterwards is
+    the captured step's peak (its activations live in the graph's private pool)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    def replay():
+        graph.replay()
+        return out
+
+    replay.graph = graph
+    return replay
 
 
 def run_variant(scale, name, overrides, batch, seq, steps, warmup, compile_):
@@ -251,7 +286,7 @@ def run_variant(scale, name, overrides, batch, seq, steps, warmup, compile_):
         loss = step()
     sync()
     compile_s = time.time() - t0
-    if DEVICE == "cuda":
+    if DEVICE == "cuda" and not hasattr(step, "graph"):  # (a graph's step: reset before its capture)
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(steps):

@@ -1800,14 +1800,21 @@ def _offsets(tensors: Sequence[Tensor], base: Tensor) -> Tensor:
     key = (base.device.index, offs)
     table = _OFFSET_TABLES.get(key)
     if table is None:
-        table = torch.tensor(offs, dtype=torch.int64, pin_memory=True).to(base.device, non_blocking=True)
-        if len(_OFFSET_TABLES) < _OFFSET_TABLES_MAX and not torch.cuda.is_current_stream_capturing():
-            _OFFSET_TABLES[key] = table  # (a table made during capture belongs to that graph's memory)
+        host = torch.tensor(offs, dtype=torch.int64, pin_memory=True)
+        table = host.to(base.device, non_blocking=True)
+        if torch.cuda.is_current_stream_capturing():
+            # A CUDA graph captures the copy as a node that re-reads this pinned host memory at
+            # every replay: keep it alive and unchanged as long as the process (the device table
+            # itself belongs to the graph's memory pool, refilled by that node before each use).
+            _CAPTURED_HOST_TABLES.append(host)
+        elif len(_OFFSET_TABLES) < _OFFSET_TABLES_MAX:
+            _OFFSET_TABLES[key] = table
     return table
 
 
 _OFFSET_TABLES: dict[tuple, Tensor] = {}
 _OFFSET_TABLES_MAX = 4096
+_CAPTURED_HOST_TABLES: list[Tensor] = []  # host sides of tables uploaded during CUDA graph capture
 
 
 def _check_dtypes(sources: Sequence[Tensor]) -> None:
