@@ -145,6 +145,34 @@ def check_accelerator(accelerator: Any, devices: Any = None) -> None:
         )
 
 
+def check_cuda_graph(config: Any) -> None:
+    """Raises ValueError when a fit asks for ``model.cuda_graph`` with a trainer it cannot run on:
+    an accelerator other than one CUDA GPU (``cpu``, ``auto`` without a GPU, more than one device,
+    a strategy other than ``auto`` / ``single_device``), ``trainer.accumulate_grad_batches`` > 1, or
+    ``model.activation_checkpointing``. Used by the fit CLI before any data or model work (LitLM
+    checks the same when the fit starts)."""
+    if config.get("model.cuda_graph") is not True:
+        return
+    accelerator = config.get("trainer.accelerator")
+    name = accelerator.strip().lower() if isinstance(accelerator, str) else accelerator
+    why = None
+    if name not in (*_GPU_ACCELERATORS, "auto") or (name == "auto" and not torch.cuda.is_available()):
+        why = f"trainer.accelerator={accelerator!r}" + (" (no CUDA GPU here)" if name == "auto" else "")
+    elif (_device_count(config.get("trainer.devices")) or torch.cuda.device_count()) != 1:
+        why = f"trainer.devices={config.get('trainer.devices')!r}"
+    elif str(config.get("trainer.strategy", "auto")) not in ("auto", "single_device"):
+        why = f"trainer.strategy={config.get('trainer.strategy')!r}"
+    elif config.get("trainer.accumulate_grad_batches", 1) not in (1, None):
+        why = f"trainer.accumulate_grad_batches={config.get('trainer.accumulate_grad_batches')!r} (the captured backward overwrites gradients)"
+    elif config.get("model.activation_checkpointing"):
+        why = "model.activation_checkpointing=True (its recomputation saves the RNG state, which a capture cannot read)"
+    if why:
+        raise ValueError(
+            f"model.cuda_graph=True needs one CUDA GPU, no gradient accumulation and no activation checkpointing; got {why}. "
+            "Pass --trainer.accelerator gpu --trainer.devices 1, or --model.cuda_graph false"
+        )
+
+
 def _is_special_ckpt_path(ckpt_path: str) -> bool:
     """Whether Lightning resolves ``ckpt_path`` itself: ``last``, ``best``, ``hpc``, ``registry[:...]``, or a URL."""
     text = ckpt_path.strip()
@@ -245,6 +273,7 @@ class LitMharCLI(LightningCLI):
         if config.get("model.compile") is not None:
             check_compile(config.get("model.compile"))
         if self.subcommand == "fit":
+            check_cuda_graph(config)
             check_trainer_limits(config.get("trainer.max_steps", -1), config.get("trainer.max_epochs"))
             check_checkpoint_dirpath(config.get("checkpoint.dirpath"))
         elif self.subcommand in ("validate", "test", "predict") and not config.get("ckpt_path"):

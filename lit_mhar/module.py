@@ -67,6 +67,63 @@ def fsdp_strategy(**kwargs: Any) -> FSDPStrategy:
     return FSDPStrategy(**kwargs)
 
 
+class TrainingLoss(torch.nn.Module):
+    """The training forward as one module: mean next-token cross-entropy (nats, float32 0-d) of
+    ``model``'s logits for ``inputs`` against ``targets`` (int64 ``[B, T]`` each): what
+    :func:`graph_training_loss` captures."""
+
+    def __init__(self, model: LM) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        logits = self.model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def graph_training_loss(model: LM, inputs: Tensor, targets: Tensor, warmup_steps: int = 3) -> TrainingLoss:
+    """The training loss of ``model`` with its forward and its backward captured as two CUDA graphs.
+
+    ``torch.cuda.make_graphed_callables`` runs ``warmup_steps`` forwards and backwards of
+    :class:`TrainingLoss` on a side stream (compilation, Triton's first launches, the allocator),
+    then captures one forward and one backward on ``inputs`` / ``targets`` (int64 ``[B, T]`` on the
+    GPU, copied, so the batch itself is not kept). The result is a module that replays them: called on new tokens of the same shape it copies them
+    into the captured inputs and replays the forward graph; ``backward()`` on its loss replays the
+    backward graph and hands every parameter's gradient to autograd, where optimizers, clipping,
+    gradient scaling and DDP-free Lightning loops use them as usual. The host enqueues two graph
+    launches per step instead of every kernel: routed models launch many small kernels (the fused
+    routing ops, two-phase block routing's merges), so at 350m their steps can be bound by the host's
+    time to enqueue them (BENCHMARKS.md, twenty-first and twenty-third sets). The warm-up
+    forwards and backwards only compute gradients for the capture (``torch.autograd.grad``): no
+    parameter's ``.grad`` changes.
+
+    Under autocast, caching must be off (``torch.autocast(..., cache_enabled=False)``, as
+    Lightning's mixed precision plugins do). Each call's loss tensor is the captured output,
+    overwritten by the next call: clone it to keep it. Gradients are written into captured buffers
+    that each parameter's ``.grad`` then aliases: clear them (``zero_grad(set_to_none=True)``, the
+    default) between steps; do not accumulate gradients over several calls. The model's parameters
+    must keep their tensors (update them in place, as optimizers do).
+
+    Raises:
+        ValueError: ``model``, ``inputs`` or ``targets`` not on a CUDA device, ``inputs`` and
+            ``targets`` of different shapes or not integer tokens, ``model.activation_checkpointing``
+            on (its recomputation saves the RNG state, which a capture cannot read), or
+            ``warmup_steps`` < 1.
+    """
+    where = [t.device.type for t in (inputs, targets, next(model.parameters()))]
+    if any(w != "cuda" for w in where):
+        raise ValueError(f"graph_training_loss: CUDA graphs need the model and tokens on a CUDA device; got model, inputs, targets on {where[2]}, {where[0]}, {where[1]}")
+    if inputs.shape != targets.shape or inputs.dim() != 2 or inputs.dtype.is_floating_point or targets.dtype.is_floating_point:
+        raise ValueError(
+            f"graph_training_loss: inputs and targets must be integer token ids of one shape [B, T]; got {tuple(inputs.shape)} {inputs.dtype} and {tuple(targets.shape)} {targets.dtype}"
+        )
+    if model.activation_checkpointing:
+        raise ValueError("graph_training_loss: activation_checkpointing=True cannot be captured (its recomputation saves the RNG state); turn one of them off")
+    if warmup_steps < 1:
+        raise ValueError(f"graph_training_loss: warmup_steps={warmup_steps}; need at least 1 (compilation and first launches must not be captured)")
+    return torch.cuda.make_graphed_callables(TrainingLoss(model), (inputs.clone(), targets.clone()), num_warmup_iters=warmup_steps)
+
+
 class LitLM(L.LightningModule):
     """Next-token language modelling for every residual variant (prenorm, AttnRes, MHAR, Delta, Hyper-Connections).
 
@@ -115,9 +172,20 @@ class LitLM(L.LightningModule):
             source model's tokenizer, whose embedding table is often padded); the checkpoint's
             vocabulary is kept. Checkpoints of such a run store the model's own config and no
             ``init_from``, so they load without the file.
+        cuda_graph: Capture the training forward and backward (model, LM head, cross-entropy) as
+            two CUDA graphs on the first training batch and replay them for every batch of that
+            shape (:func:`graph_training_loss`; a batch of another shape runs eagerly). The host
+            then enqueues two graphs per step instead of every kernel, which keeps the GPU busy
+            where the host's launches would bound the step (routed models, many small kernels).
+            The optimizer step, gradient clipping, the schedule, validation and the routing
+            statistics run as usual. One CUDA device only (``trainer.devices: 1``, no DDP or
+            FSDP), no gradient accumulation, no ``activation_checkpointing``: the fit refuses
+            those when it starts. Checkpoints load with or without it.
 
     Raises:
-        ValueError: a bad hyperparameter, or ``config`` does not match the ``init_from`` checkpoint.
+        ValueError: a bad hyperparameter, ``config`` does not match the ``init_from`` checkpoint,
+            or ``cuda_graph`` with ``activation_checkpointing``; at the start of a fit,
+            ``cuda_graph`` off a single CUDA device or with ``accumulate_grad_batches`` > 1.
         FileNotFoundError: ``init_from`` does not exist.
     """
 
@@ -135,9 +203,16 @@ class LitLM(L.LightningModule):
         compile: Union[bool, str] = False,
         init_from: Optional[str] = None,
         activation_checkpointing: bool = False,
+        cuda_graph: bool = False,
     ) -> None:
         super().__init__()
         check_compile(compile)
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f"LitLM: cuda_graph={cuda_graph!r} must be true or false")
+        if cuda_graph and activation_checkpointing:
+            raise ValueError(
+                "LitLM: cuda_graph=True cannot capture activation_checkpointing=True (its recomputation saves the RNG state); turn one of them off"
+            )
         if lr <= 0 or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0 or routing_lr_multiplier <= 0:
             raise ValueError(
                 f"LitLM: need lr > 0 (got {lr}), 0 <= min_lr_ratio <= 1 (got {min_lr_ratio}), "
@@ -163,6 +238,8 @@ class LitLM(L.LightningModule):
         self._window_tokens = self._window_batches = 0
         self._window_shape: tuple[torch.device, int] = (torch.device("cpu"), 0)  # device and sequence length of the last batch
         self._bar_step: Optional[int] = None  # the last logging step: the optimizer step whose train/loss the progress bar shows
+        self._graphed: list[TrainingLoss] = []  # with cuda_graph: the captured training loss, once the first batch came (a list: not a submodule)
+        self._graph_shape: Optional[torch.Size] = None  # the captured inputs' shape
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits ``[B, T, V]`` for token ids ``[B, T]``."""
@@ -173,12 +250,41 @@ class LitLM(L.LightningModule):
         logits = self(inputs)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
+    def _training_loss(self, batch: Tensor) -> Tensor:
+        if not self.hparams.get("cuda_graph"):
+            return self._loss(batch)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        if not self._graphed:
+            self._graphed.append(graph_training_loss(self.model, inputs, targets))
+            self._graph_shape = inputs.shape
+        if inputs.shape != self._graph_shape:
+            return self._loss(batch)  # another shape (a short last batch): eager, same model
+        return self._graphed[0](inputs, targets)
+
+    def setup(self, stage: str) -> None:
+        if stage != "fit" or not self.hparams.get("cuda_graph"):
+            return
+        from lightning.pytorch.strategies import SingleDeviceStrategy
+
+        strategy, device = self.trainer.strategy, self.trainer.strategy.root_device
+        if not isinstance(strategy, SingleDeviceStrategy) or device.type != "cuda":
+            raise ValueError(
+                f"LitLM: cuda_graph=True needs one CUDA device (trainer.accelerator gpu, trainer.devices 1); "
+                f"got {type(strategy).__name__} on {device}"
+            )
+        if self.trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"LitLM: cuda_graph=True cannot accumulate gradients (the captured backward overwrites them); "
+                f"trainer.accumulate_grad_batches={self.trainer.accumulate_grad_batches}, need 1"
+            )
+
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
+        loss = self._training_loss(batch)
         # The mean over ranks (the global batch's loss), to the loggers only: Lightning reads a value
         # shown in the progress bar back to the host at every step (.item(), which waits for the
         # GPU to finish all queued work), so the bar shows it as "loss", read at the loggers' steps.
-        self.log("train/loss", loss, sync_dist=True)
+        # A captured loss is overwritten by the next replay: the logged value is a copy.
+        self.log("train/loss", loss.detach().clone() if self._graphed else loss, sync_dist=True)
         every = self.hparams.routing_log_every_n_steps
         if self.config.routed and every and self.global_step % every == 0:
             self._log_routing(batch[:, :-1])

@@ -65,6 +65,42 @@ def test_an_unknown_compile_layout_is_one_line_naming_the_choices(stdlib_corpus,
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # refused before any run or folder
 
 
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--trainer.accelerator", "cpu"], "trainer.accelerator='cpu'"),
+        (["--trainer.accelerator", "cpu", "--model.activation_checkpointing", "true"], "trainer.accelerator='cpu'"),
+        (["--trainer.accumulate_grad_batches", "2"], "accumulate_grad_batches=2"),
+        (["--trainer.devices", "2"], "trainer.devices="),
+    ],
+)
+def test_cuda_graph_with_a_trainer_it_cannot_run_on_is_one_line_before_any_work(extra, named, stdlib_corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    # the GPU checks pass as on a one-GPU machine, so each case reaches the setting it names
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", "fit", "--config", str(ROOT / "configs" / "debug.yaml"), "--model.cuda_graph", "true",
+                                      "--data.data_dir", str(stdlib_corpus), "--trainer.accelerator", "gpu", "--trainer.devices", "1", *extra])
+    assert main() == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "model.cuda_graph=True" in line and named in line and "--model.cuda_graph false" in line
+    assert named != "trainer.devices=" or "2" in line.split("trainer.devices=")[1][:4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # refused before any run or folder
+
+
+def test_cuda_graph_with_activation_checkpointing_is_refused_by_name(stdlib_corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", "fit", "--config", str(ROOT / "configs" / "debug.yaml"), "--model.cuda_graph", "true",
+                                      "--model.activation_checkpointing", "true", "--trainer.accelerator", "gpu", "--data.data_dir", str(stdlib_corpus)])
+    assert main() == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "model.activation_checkpointing=True" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_top_level_help_lists_every_command(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

@@ -313,3 +313,88 @@ def test_no_throughput_window_ends_every_step_when_logging_is_off(tmp_path):
     not after every batch (each end waits for the GPU and writes perf/tokens_per_s to the loggers)."""
     perf = _throughput_steps(tmp_path, samples=32, max_steps=8, log_every_n_steps=0, val_check_interval=4)
     assert perf == [3, 7], perf  # the two validations' window ends
+
+
+def test_cuda_graph_refuses_activation_checkpointing_and_a_non_bool_by_name():
+    with pytest.raises(ValueError, match="cuda_graph=True cannot capture activation_checkpointing=True"):
+        module(cuda_graph=True, activation_checkpointing=True)
+    with pytest.raises(ValueError, match="cuda_graph='yes' must be true or false"):
+        module(cuda_graph="yes")
+
+
+def test_cuda_graph_fit_off_one_cuda_device_is_refused_when_it_starts(tmp_path):
+    m = module(cuda_graph=True)
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    batches = torch.utils.data.DataLoader(torch.randint(0, 64, (4, 17)), batch_size=2)
+    with pytest.raises(ValueError, match="cuda_graph=True needs one CUDA device.*SingleDeviceStrategy on cpu"):
+        trainer.fit(m, batches)
+    assert not m._graphed and m.global_step == 0
+
+
+def test_graph_training_loss_refuses_cpu_tensors_and_bad_tokens_by_name():
+    from lit_mhar.module import graph_training_loss
+
+    lm = module().model
+    tokens = torch.randint(0, 64, (2, 8))
+    with pytest.raises(ValueError, match="need the model and tokens on a CUDA device; got model, inputs, targets on cpu, cpu, cpu"):
+        graph_training_loss(lm, tokens, tokens)
+    lm.activation_checkpointing = True
+    with pytest.raises(ValueError, match="CUDA device"):  # the device is checked first
+        graph_training_loss(lm, tokens, tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("residual, heads, block_size", [("delta", 2, 2), ("attnres", 2, 1), ("prenorm", 1, 1)])
+def test_graphed_training_loss_gives_the_eager_loss_and_gradients(residual, heads, block_size):
+    """On new tokens after the capture the replayed forward and backward give the eager model's loss
+    and every parameter's gradient, bit for bit; a bad shape or device is refused by name."""
+    from lit_mhar.module import TrainingLoss, graph_training_loss
+
+    cfg = ModelConfig.from_name("debug", residual=residual, heads=heads, block_size=block_size, vocab_size=64, seq_len=16)
+    torch.manual_seed(0)
+    lm = LitLM(cfg).model.cuda()
+    for site in lm.routing_sites():  # non-zero queries: routing is not uniform
+        site.query.data.normal_()
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (3, 17), generator=g).cuda() for _ in range(3)]
+    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        graphed = graph_training_loss(lm, batches[0][:, :-1], batches[0][:, 1:])
+        assert all(p.grad is None for p in lm.parameters())  # the warm-up changed no .grad
+        for batch in batches[1:]:
+            lm.zero_grad(set_to_none=True)
+            eager = TrainingLoss(lm)(batch[:, :-1], batch[:, 1:])
+            eager.backward()
+            expected = [p.grad.clone() for p in lm.parameters()]
+            lm.zero_grad(set_to_none=True)
+            loss = graphed(batch[:, :-1], batch[:, 1:])
+            loss.backward()
+            assert torch.equal(loss, eager)
+            for p, e in zip(lm.parameters(), expected):
+                assert torch.equal(p.grad, e)
+    with pytest.raises(ValueError, match=r"one shape \[B, T\]; got \(3, 16\) torch.int64 and \(3, 15\)"):
+        graph_training_loss(lm, batches[0][:, :-1], batches[0][:, 2:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_fit_trains_as_the_eager_fit(tmp_path):
+    """Four steps of Lightning's loop (bf16 autocast, clipping, the schedule) with the training
+    step's forward and backward captured end with the eager fit's parameters, bit for bit; a last
+    batch of another shape runs eagerly."""
+    cfg = ModelConfig.from_name("debug", residual="delta", heads=2, block_size=2, vocab_size=64, seq_len=16)
+    tokens = torch.randint(0, 64, (7, 17), generator=torch.Generator().manual_seed(3))  # batches of 2, 2, 2, 1
+    params = []
+    for graph in (False, True):
+        torch.manual_seed(0)
+        m = LitLM(cfg, cuda_graph=graph, warmup_steps=1)
+        trainer = L.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=4, gradient_clip_val=1.0, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+        trainer.fit(m, torch.utils.data.DataLoader(tokens, batch_size=2))
+        assert bool(m._graphed) is graph and m.global_step == 4
+        params.append([p.detach().clone() for p in m.model.parameters()])
+    torch.manual_seed(0)
+    initial = LitLM(cfg).model.cuda().parameters()
+    assert not all(torch.equal(p, q) for p, q in zip(params[0], initial))  # it trained
+    for p, q in zip(*params):
+        assert torch.equal(p, q)
