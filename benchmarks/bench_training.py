@@ -35,6 +35,7 @@ import triton
 from triton.testing import do_bench
 
 from lit_mhar import LM, ModelConfig, routing
+from lit_mhar.module import graph_training_loss
 
 FULL_ROUTING_GROUPS = (routing.FULL_ROUTING_GROUP, routing.FULL_ROUTING_GROUP_ADDITIVE)  # the package's (replacement, additive)
 
@@ -78,8 +79,13 @@ COMPILE_LAYOUT = "auto"
 # captured once as a CUDA graph after the warm-up steps and replayed: the host enqueues one graph
 # per step instead of every kernel (knob "cuda-graph"; prenorm needs it too for a fair ratio).
 CUDA_GRAPH = False
+# With True, forward and backward run as LitLM(cuda_graph=True) runs them: captured as two CUDA
+# graphs by lit_mhar.module.graph_training_loss on the first step (autocast without its cache, as
+# Lightning's), the clipping and AdamW eager (knob "graphed-loss").
+GRAPHED_LOSS = False
 KNOBS = {
     "cuda-graph": {(__name__, "CUDA_GRAPH"): True},  # the step captured as one CUDA graph and replayed
+    "graphed-loss": {(__name__, "GRAPHED_LOSS"): True},  # forward and backward captured, as LitLM(cuda_graph=True)
     "compile-model": {(__name__, "COMPILE_LAYOUT"): "model"},  # the whole model compiled (LitLM(compile="model")), routing through the custom op
     "compile-sublayers": {(__name__, "COMPILE_LAYOUT"): "sublayers"},  # attention, MLP and norms module by module (LitLM(compile="sublayers"); every variant's before the twenty-second set)
     "custom-op": {(TR, "EAGER_FUNCTION"): False},  # eager calls through the custom op's autograd
@@ -223,7 +229,14 @@ def training_parts(scale, overrides, batch, seq, compile_):
     idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=DEVICE, generator=gen)
     x, y = idx[:, :-1], idx[:, 1:]
 
+    graphed = []
+
     def forward():
+        if GRAPHED_LOSS and DEVICE == "cuda":
+            with torch.autocast(DEVICE, dtype=torch.bfloat16, cache_enabled=False):
+                if not graphed:
+                    graphed.append(graph_training_loss(model, x, y))
+                return graphed[0](x, y)
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             logits = model(x)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -286,7 +299,10 @@ def run_variant(scale, name, overrides, batch, seq, steps, warmup, compile_):
         loss = step()
     sync()
     compile_s = time.time() - t0
-    if DEVICE == "cuda" and not hasattr(step, "graph"):  # (a graph's step: reset before its capture)
+    # (a captured step's activations live in its graph's pool, allocated once at the capture: a
+    # graph's step resets before its capture; with graphed-loss the peak is that of the warm-up
+    # steps and the capture, all in the warm-up)
+    if DEVICE == "cuda" and not hasattr(step, "graph") and not GRAPHED_LOSS:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(steps):
