@@ -11,7 +11,9 @@ that completed.
     python benchmarks/bench_fit.py --configs configs/350m/prenorm.yaml,configs/350m/block_mhar.yaml \\
         --steps 120 --out results/ -- --model.compile sublayers
 
-Arguments after ``--`` go to every ``fit`` command. Appends one row per config to
+Arguments after ``--`` go to every ``fit`` command; a config's own settings follow its path after
+``+``, as ``key=value`` (``configs/350m/block_mhar.yaml+model.cuda_graph=true`` passes
+``--model.cuda_graph true`` to that fit only), so one run can time one config two ways. Appends one row per config to
 ``fit_bench.csv`` in ``--out`` as each fit ends and prints it; refuses an ``--out`` holding an
 earlier run's logs; the default corpus is built by the first fit in the current folder
 (``data/stdlib``) if it is not there.
@@ -38,8 +40,24 @@ def read_windows(metrics_csv: str, key: str) -> list[float]:
     return [float(r[key]) for r in sorted(rows, key=lambda r: int(r["step"]))]
 
 
+def split_config(item: str) -> tuple[str, list[str]]:
+    """``(path, fit arguments)`` of a ``--configs`` item ``PATH[+key=value...]``; ValueError names a
+    setting without ``=`` or an empty key."""
+    path, *settings = item.split("+")
+    args = []
+    for setting in settings:
+        key, eq, value = setting.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--configs item {item!r}: setting {setting!r} is not key=value")
+        args += [f"--{key}", value]
+    return path, args
+
+
 def run_config(config: str, steps: int, log_every: int, skip: int, extra: list[str], out: str, index: int) -> dict:
-    """Runs one fit; returns its row (see :data:`FIELDS`): medians of the windows after the first ``skip``."""
+    """Runs one fit of a ``--configs`` item; returns its row (see :data:`FIELDS`): medians of the
+    windows after the first ``skip``."""
+    item, (config, own) = config, split_config(config)
+    extra = [*extra, *own]
     save_dir = os.path.join(out, f"fit_logs_{index}")
     if os.path.exists(save_dir):
         raise FileExistsError(f"bench_fit: {save_dir} exists; choose another --out (nothing is overwritten)")
@@ -51,7 +69,7 @@ def run_config(config: str, steps: int, log_every: int, skip: int, extra: list[s
     ]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    row = dict(config=config, args=" ".join(extra), steps=steps, wall_s=f"{time.time() - t0:.0f}")
+    row = dict(config=item, args=" ".join(extra), steps=steps, wall_s=f"{time.time() - t0:.0f}")
     with open(os.path.join(out, f"fit_{index}.log"), "w") as fh:
         fh.write(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
     metrics = [os.path.join(root, "metrics.csv") for root, _, files in os.walk(save_dir) if "metrics.csv" in files]
@@ -76,14 +94,18 @@ def main(argv=None) -> int:
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", required=True, help="comma-separated YAML configs; the first is the baseline of the ratios")
+    ap.add_argument("--configs", required=True, help="comma-separated YAML configs, each PATH[+key=value...]; the first is the baseline of the ratios")
     ap.add_argument("--steps", type=int, default=120, help="optimizer steps per fit")
     ap.add_argument("--log-every", type=int, default=10, help="steps per throughput window (trainer.log_every_n_steps)")
     ap.add_argument("--skip", type=int, default=2, help="first windows left out (compilation, warm-up)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     configs = args.configs.split(",")
-    missing = [c for c in configs if not c or not os.path.isfile(c)]
+    try:
+        paths = [split_config(c)[0] for c in configs]
+    except ValueError as e:
+        ap.error(str(e))
+    missing = [c for c in paths if not c or not os.path.isfile(c)]
     if missing:
         ap.error(f"--configs: no such file: {missing}")
     if args.steps < 1 or args.log_every < 1 or args.skip < 0:

@@ -184,6 +184,8 @@ def test_fit_benchmark_reads_throughput_windows_in_step_order(bench_fit, tmp_pat
     (["--configs", "configs/no_such.yaml"], "no such file"),
     (["--configs", "configs/debug.yaml", "--steps", "0"], "--steps 0 and"),
     (["--configs", "configs/debug.yaml", "--steps", "20", "--log-every", "10", "--skip", "2"], "gives no window after the 2 skipped"),
+    (["--configs", "configs/debug.yaml+model.cuda_graph"], "setting 'model.cuda_graph' is not key=value"),
+    (["--configs", "configs/debug.yaml+=true"], "setting '=true' is not key=value"),
 ])
 def test_fit_benchmark_refuses_bad_arguments_before_any_work(bench_fit, argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
@@ -205,10 +207,11 @@ def test_fit_benchmark_times_a_real_fit_and_never_overwrites_its_logs(bench_fit,
     """One real ``lit-mhar fit`` on the CPU: a row with the median throughput of the windows after
     the skipped one; a second run into the same folder refuses before starting."""
     extra = ["--data.data_dir", str(small_corpus), "--data.seq_len", "32", "--data.batch_size", "2", "--trainer.accelerator", "cpu",
-             "--trainer.limit_val_batches", "1", "--model.routing_log_every_n_steps", "0"]
+             "--trainer.limit_val_batches", "1"]
     config = str(BENCHMARKS.parent / "configs" / "debug" / "block_mhar.yaml")
-    row = bench_fit.run_config(config, steps=6, log_every=2, skip=1, extra=extra, out=str(tmp_path), index=0)
+    row = bench_fit.run_config(config + "+model.routing_log_every_n_steps=0", steps=6, log_every=2, skip=1, extra=extra, out=str(tmp_path), index=0)
     assert row["status"] == "ok", row
+    assert row["config"].endswith("block_mhar.yaml+model.routing_log_every_n_steps=0") and row["args"].endswith("--model.routing_log_every_n_steps 0")
     assert row["windows"] == 2 and float(row["tokens_per_s"]) > 0
     assert not list(tmp_path.rglob("*.ckpt"))  # checkpoints removed, logs kept
     assert list(tmp_path.rglob("metrics.csv")) and (tmp_path / "fit_0.log").is_file()
