@@ -169,6 +169,8 @@ def split_variant(name: str) -> tuple[dict, list[str]]:
     for k in knob_names:
         if k not in KNOBS:
             raise ValueError(f"unknown knob {k!r} in {name!r}; valid: {list(KNOBS)}")
+    if {"cuda-graph", "graphed-loss"} <= set(knob_names):
+        raise ValueError(f"{name!r}: cuda-graph (the whole step captured) and graphed-loss (forward and backward captured) exclude each other")
     return VARIANTS[base], knob_names
 
 

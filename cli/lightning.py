@@ -147,29 +147,35 @@ def check_accelerator(accelerator: Any, devices: Any = None) -> None:
 
 def check_cuda_graph(config: Any) -> None:
     """Raises ValueError when a fit asks for ``model.cuda_graph`` with a trainer it cannot run on:
-    an accelerator other than one CUDA GPU (``cpu``, ``auto`` without a GPU, more than one device,
-    a strategy other than ``auto`` / ``single_device``), ``trainer.accumulate_grad_batches`` > 1, or
+    an accelerator other than one CUDA GPU (``cpu``, ``auto`` without a GPU, more than one device
+    or node, a strategy other than ``auto``), ``trainer.accumulate_grad_batches`` > 1, or
     ``model.activation_checkpointing``. Used by the fit CLI before any data or model work (LitLM
-    checks the same when the fit starts)."""
+    checks the devices and the accumulation again when the fit starts)."""
     if config.get("model.cuda_graph") is not True:
         return
     accelerator = config.get("trainer.accelerator")
     name = accelerator.strip().lower() if isinstance(accelerator, str) else accelerator
-    why = None
+    strategy = config.get("trainer.strategy", "auto")
+    one_gpu = "pass --trainer.accelerator gpu --trainer.devices 1 --trainer.num_nodes 1 --trainer.strategy auto"
+    why = hint = None
     if name not in (*_GPU_ACCELERATORS, "auto") or (name == "auto" and not torch.cuda.is_available()):
-        why = f"trainer.accelerator={accelerator!r}" + (" (no CUDA GPU here)" if name == "auto" else "")
+        why, hint = f"trainer.accelerator={accelerator!r}" + (" (no CUDA GPU here)" if name == "auto" else ""), one_gpu
     elif (_device_count(config.get("trainer.devices")) or torch.cuda.device_count()) != 1:
-        why = f"trainer.devices={config.get('trainer.devices')!r}"
-    elif str(config.get("trainer.strategy", "auto")) not in ("auto", "single_device"):
-        why = f"trainer.strategy={config.get('trainer.strategy')!r}"
+        why, hint = f"trainer.devices={config.get('trainer.devices')!r}", one_gpu
+    elif config.get("trainer.num_nodes", 1) not in (1, None):
+        why, hint = f"trainer.num_nodes={config.get('trainer.num_nodes')!r}", one_gpu
+    elif not (isinstance(strategy, str) and strategy.strip().lower() == "auto"):
+        why, hint = f"trainer.strategy={strategy!r}", one_gpu
     elif config.get("trainer.accumulate_grad_batches", 1) not in (1, None):
         why = f"trainer.accumulate_grad_batches={config.get('trainer.accumulate_grad_batches')!r} (the captured backward overwrites gradients)"
+        hint = "pass --trainer.accumulate_grad_batches 1 with a larger --data.batch_size"
     elif config.get("model.activation_checkpointing"):
         why = "model.activation_checkpointing=True (its recomputation saves the RNG state, which a capture cannot read)"
+        hint = "pass --model.activation_checkpointing false"
     if why:
         raise ValueError(
-            f"model.cuda_graph=True needs one CUDA GPU, no gradient accumulation and no activation checkpointing; got {why}. "
-            "Pass --trainer.accelerator gpu --trainer.devices 1, or --model.cuda_graph false"
+            f"model.cuda_graph=True needs one CUDA GPU, no gradient accumulation and no activation checkpointing; got {why}; "
+            f"{hint}, or --model.cuda_graph false"
         )
 
 

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -97,23 +98,26 @@ def graph_training_loss(model: LM, inputs: Tensor, targets: Tensor, warmup_steps
     forwards and backwards only compute gradients for the capture (``torch.autograd.grad``): no
     parameter's ``.grad`` changes.
 
-    Under autocast, caching must be off (``torch.autocast(..., cache_enabled=False)``, as
-    Lightning's mixed precision plugins do). Each call's loss tensor is the captured output,
+    The capture runs under the caller's autocast state (on or off, its dtype) with autocast's
+    weight-cast cache off, which a capture cannot hold. Each call's loss tensor is the captured output,
     overwritten by the next call: clone it to keep it. Gradients are written into captured buffers
     that each parameter's ``.grad`` then aliases: clear them (``zero_grad(set_to_none=True)``, the
     default) between steps; do not accumulate gradients over several calls. The model's parameters
     must keep their tensors (update them in place, as optimizers do).
 
+    Every capture keeps its routing ops' offset tables' pinned host memory (a few hundred bytes)
+    for the life of the process (``lit_mhar.kernels.triton_routing._offsets``).
+
     Raises:
-        ValueError: ``model``, ``inputs`` or ``targets`` not on a CUDA device, ``inputs`` and
-            ``targets`` of different shapes or not integer tokens, ``model.activation_checkpointing``
-            on (its recomputation saves the RNG state, which a capture cannot read), or
-            ``warmup_steps`` < 1.
+        ValueError: ``inputs`` and ``targets`` of different shapes, not ``[B, T]`` or not integer
+            tokens, ``model.activation_checkpointing`` on (its recomputation saves the RNG state,
+            which a capture cannot read), ``warmup_steps`` < 1, or ``model``, ``inputs`` or
+            ``targets`` not on a CUDA device.
     """
-    where = [t.device.type for t in (inputs, targets, next(model.parameters()))]
-    if any(w != "cuda" for w in where):
-        raise ValueError(f"graph_training_loss: CUDA graphs need the model and tokens on a CUDA device; got model, inputs, targets on {where[2]}, {where[0]}, {where[1]}")
-    if inputs.shape != targets.shape or inputs.dim() != 2 or inputs.dtype.is_floating_point or targets.dtype.is_floating_point:
+    def is_tokens(t: Tensor) -> bool:
+        return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+    if inputs.shape != targets.shape or inputs.dim() != 2 or not (is_tokens(inputs) and is_tokens(targets)):
         raise ValueError(
             f"graph_training_loss: inputs and targets must be integer token ids of one shape [B, T]; got {tuple(inputs.shape)} {inputs.dtype} and {tuple(targets.shape)} {targets.dtype}"
         )
@@ -121,7 +125,14 @@ def graph_training_loss(model: LM, inputs: Tensor, targets: Tensor, warmup_steps
         raise ValueError("graph_training_loss: activation_checkpointing=True cannot be captured (its recomputation saves the RNG state); turn one of them off")
     if warmup_steps < 1:
         raise ValueError(f"graph_training_loss: warmup_steps={warmup_steps}; need at least 1 (compilation and first launches must not be captured)")
-    return torch.cuda.make_graphed_callables(TrainingLoss(model), (inputs.clone(), targets.clone()), num_warmup_iters=warmup_steps)
+    where = [t.device.type for t in (inputs, targets, next(model.parameters()))]
+    if any(w != "cuda" for w in where):
+        raise ValueError(f"graph_training_loss: CUDA graphs need the model and tokens on a CUDA device; got model, inputs, targets on {where[2]}, {where[0]}, {where[1]}")
+    # the caller's autocast (on or off, its dtype), without the weight-cast cache, which a capture cannot hold
+    with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False):
+        graphed = torch.cuda.make_graphed_callables(TrainingLoss(model), (inputs.clone(), targets.clone()), num_warmup_iters=warmup_steps)
+    torch.cuda.empty_cache()  # the warm-up's blocks, cached for its side stream, which nothing else would reuse
+    return graphed
 
 
 class LitLM(L.LightningModule):
@@ -240,6 +251,7 @@ class LitLM(L.LightningModule):
         self._bar_step: Optional[int] = None  # the last logging step: the optimizer step whose train/loss the progress bar shows
         self._graphed: list[TrainingLoss] = []  # with cuda_graph: the captured training loss, once the first batch came (a list: not a submodule)
         self._graph_shape: Optional[torch.Size] = None  # the captured inputs' shape
+        self._graph_fallback_warned = False
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits ``[B, T, V]`` for token ids ``[B, T]``."""
@@ -253,17 +265,40 @@ class LitLM(L.LightningModule):
     def _training_loss(self, batch: Tensor) -> Tensor:
         if not self.hparams.get("cuda_graph"):
             return self._loss(batch)
+        if self.trainer.accumulate_grad_batches != 1:  # (a GradientAccumulationScheduler sets it after setup)
+            raise ValueError(
+                f"LitLM: cuda_graph=True cannot accumulate gradients (the captured backward overwrites them); "
+                f"trainer.accumulate_grad_batches={self.trainer.accumulate_grad_batches} at step {self.global_step}, need 1"
+            )
         inputs, targets = batch[:, :-1], batch[:, 1:]
         if not self._graphed:
             self._graphed.append(graph_training_loss(self.model, inputs, targets))
             self._graph_shape = inputs.shape
-        if inputs.shape != self._graph_shape:
-            return self._loss(batch)  # another shape (a short last batch): eager, same model
+        if inputs.shape != self._graph_shape:  # another shape (a short last batch): eager, same model
+            if not self._graph_fallback_warned:
+                rank_zero_warn(
+                    f"LitLM(cuda_graph=True): a training batch of {tuple(inputs.shape)} tokens, not the captured {tuple(self._graph_shape)}, "
+                    "runs eagerly (so does every later batch of another shape)"
+                )
+                self._graph_fallback_warned = True
+            return self._loss(batch)
         return self._graphed[0](inputs, targets)
+
+    def _release_graphs(self) -> None:
+        # A graph holds the addresses of the parameters, gradients and activations of the fit that
+        # captured it; Lightning moves the model off the GPU when a fit ends, so each fit captures anew.
+        self._graphed.clear()
+        self._graph_shape, self._graph_fallback_warned = None, False
+
+    def teardown(self, stage: str) -> None:
+        if stage == "fit" and self._graphed:
+            self._release_graphs()
+            torch.cuda.empty_cache()
 
     def setup(self, stage: str) -> None:
         if stage != "fit" or not self.hparams.get("cuda_graph"):
             return
+        self._release_graphs()
         from lightning.pytorch.strategies import SingleDeviceStrategy
 
         strategy, device = self.trainer.strategy, self.trainer.strategy.root_device

@@ -168,6 +168,12 @@ def test_training_benchmark_compiles_as_litlm_does_unless_a_knob_says(bench_trai
     assert used == [layout] and bench_training.COMPILE_LAYOUT == "auto"  # (the knob restored)
 
 
+def test_training_benchmark_refuses_both_graph_knobs_at_once_by_name(bench_training):
+    with pytest.raises(ValueError, match="'prenorm:cuda-graph:graphed-loss': cuda-graph .* exclude each other"):
+        bench_training.split_variant("prenorm:cuda-graph:graphed-loss")
+    assert bench_training.split_variant("prenorm:graphed-loss")[1] == ["graphed-loss"]
+
+
 @pytest.fixture
 def bench_fit(monkeypatch):
     yield from _benchmark_script(monkeypatch, "bench_fit")

@@ -72,6 +72,8 @@ def test_an_unknown_compile_layout_is_one_line_naming_the_choices(stdlib_corpus,
         (["--trainer.accelerator", "cpu", "--model.activation_checkpointing", "true"], "trainer.accelerator='cpu'"),
         (["--trainer.accumulate_grad_batches", "2"], "accumulate_grad_batches=2"),
         (["--trainer.devices", "2"], "trainer.devices="),
+        (["--trainer.num_nodes", "2"], "trainer.num_nodes=2"),
+        (["--trainer.strategy", "ddp"], "trainer.strategy='ddp'"),
     ],
 )
 def test_cuda_graph_with_a_trainer_it_cannot_run_on_is_one_line_before_any_work(extra, named, stdlib_corpus, tmp_path, monkeypatch, capsys):

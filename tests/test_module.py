@@ -331,15 +331,21 @@ def test_cuda_graph_fit_off_one_cuda_device_is_refused_when_it_starts(tmp_path):
     assert not m._graphed and m.global_step == 0
 
 
-def test_graph_training_loss_refuses_cpu_tensors_and_bad_tokens_by_name():
+def test_graph_training_loss_refuses_bad_tokens_and_cpu_tensors_by_name():
     from lit_mhar.module import graph_training_loss
 
     lm = module().model
     tokens = torch.randint(0, 64, (2, 8))
     with pytest.raises(ValueError, match="need the model and tokens on a CUDA device; got model, inputs, targets on cpu, cpu, cpu"):
         graph_training_loss(lm, tokens, tokens)
+    for inputs, targets, named in [(tokens, tokens[:, 1:], r"\(2, 8\) torch.int64 and \(2, 7\)"), (tokens.float(), tokens, "torch.float32"),
+                                   (tokens.bool(), tokens, "torch.bool"), (tokens[0], tokens[0], r"\(8,\)")]:
+        with pytest.raises(ValueError, match=f"integer token ids of one shape.*{named}"):
+            graph_training_loss(lm, inputs, targets)
+    with pytest.raises(ValueError, match="warmup_steps=0; need at least 1"):
+        graph_training_loss(lm, tokens, tokens, warmup_steps=0)
     lm.activation_checkpointing = True
-    with pytest.raises(ValueError, match="CUDA device"):  # the device is checked first
+    with pytest.raises(ValueError, match="activation_checkpointing=True cannot be captured"):
         graph_training_loss(lm, tokens, tokens)
 
 
@@ -378,23 +384,41 @@ def test_graphed_training_loss_gives_the_eager_loss_and_gradients(residual, head
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_fit_trains_as_the_eager_fit(tmp_path):
-    """Four steps of Lightning's loop (bf16 autocast, clipping, the schedule) with the training
-    step's forward and backward captured end with the eager fit's parameters, bit for bit; a last
-    batch of another shape runs eagerly."""
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graph_fit_trains_as_the_eager_fit(compile, tmp_path):
+    """Four steps of Lightning's loop (bf16 autocast, clipping, the schedule), compiled or not, with
+    the training step's forward and backward captured end with the eager fit's parameters, bit for
+    bit; the last batch, of another shape, runs eagerly with a warning. A second fit of the same
+    module captures anew (the first fit's graph is released when it ends)."""
     cfg = ModelConfig.from_name("debug", residual="delta", heads=2, block_size=2, vocab_size=64, seq_len=16)
     tokens = torch.randint(0, 64, (7, 17), generator=torch.Generator().manual_seed(3))  # batches of 2, 2, 2, 1
+
+    def fit(m, steps):
+        trainer = L.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=steps, gradient_clip_val=1.0, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+        trainer.fit(m, torch.utils.data.DataLoader(tokens, batch_size=2))
+        assert not m._graphed and m.global_step == steps  # released at the end of the fit
+        return [p.detach().cpu().clone() for p in m.model.parameters()]  # (Lightning moves the model to the CPU at the end)
+
+    torch.manual_seed(0)
+    initial = [p.detach().clone() for p in LitLM(cfg).model.parameters()]
     params = []
     for graph in (False, True):
         torch.manual_seed(0)
-        m = LitLM(cfg, cuda_graph=graph, warmup_steps=1)
-        trainer = L.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=4, gradient_clip_val=1.0, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
-        trainer.fit(m, torch.utils.data.DataLoader(tokens, batch_size=2))
-        assert bool(m._graphed) is graph and m.global_step == 4
-        params.append([p.detach().clone() for p in m.model.parameters()])
-    torch.manual_seed(0)
-    initial = LitLM(cfg).model.cuda().parameters()
+        m = LitLM(cfg, cuda_graph=graph, compile=compile, warmup_steps=1)
+        if graph:
+            with pytest.warns(UserWarning, match=r"a training batch of \(1, 16\) tokens, not the captured \(2, 16\), runs eagerly"):
+                params.append(fit(m, 4))
+        else:
+            params.append(fit(m, 4))
     assert not all(torch.equal(p, q) for p, q in zip(params[0], initial))  # it trained
     for p, q in zip(*params):
+        assert torch.equal(p, q)
+    # a second fit of the graphed module (its parameters have new addresses now): 2 more steps, as the eager module's
+    again = [fit(m, 2)]
+    torch.manual_seed(0)
+    eager = LitLM(cfg, compile=compile, warmup_steps=1)
+    fit(eager, 4)
+    again.append(fit(eager, 2))
+    for p, q in zip(*again):
         assert torch.equal(p, q)

@@ -1956,7 +1956,7 @@ def captured_training(residual, heads, block_size, batches, graphed):
         assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # capturing runs no kernel
         # pinned host memory freed since is handed out again and overwritten: a captured offset
         # table's host side must not be among it
-        junk = [torch.full((64,), 7, dtype=torch.int64, pin_memory=True) for _ in range(256)]
+        junk = [torch.full((n,), 7, dtype=torch.int64, pin_memory=True) for n in range(1, 65) for _ in range(8)]  # every small size class
         for batch in batches[3:]:
             tokens.copy_(batch)
             graph.replay()
