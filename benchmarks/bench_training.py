@@ -294,10 +294,10 @@ def graphed(step, warmup: int = 3):
 
 
 def run_variant(scale, name, overrides, batch, seq, steps, warmup, compile_):
+    if DEVICE == "cuda":  # (not an earlier variant's peak, where the peak is read from the warm-up: graphed-loss)
+        torch.cuda.reset_peak_memory_stats()
     model, step = training_step(scale, overrides, batch, seq, compile_)
     sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
-    if DEVICE == "cuda":  # (not an earlier variant's peak, where the peak is read from the warm-up)
-        torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     for _ in range(warmup):
         loss = step()
