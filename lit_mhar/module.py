@@ -7,9 +7,9 @@ import time
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_warn
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lit_mhar.config import ModelConfig
@@ -90,18 +90,19 @@ def graph_training_loss(model: LM, inputs: Tensor, targets: Tensor, warmup_steps
     then captures one forward and one backward on ``inputs`` / ``targets`` (int64 ``[B, T]`` on the
     GPU, copied, so the batch itself is not kept). The result is a module that replays them: called on new tokens of the same shape it copies them
     into the captured inputs and replays the forward graph; ``backward()`` on its loss replays the
-    backward graph and hands every parameter's gradient to autograd, where optimizers, clipping,
-    gradient scaling and DDP-free Lightning loops use them as usual. The host enqueues two graph
-    launches per step instead of every kernel: routed models launch many small kernels (the fused
-    routing ops, two-phase block routing's merges), so at 350m their steps can be bound by the host's
-    time to enqueue them (BENCHMARKS.md, twenty-first and twenty-third sets). The warm-up
+    backward graph and hands every parameter's gradient to autograd, where the optimizer and
+    gradient clipping use them as usual. The host enqueues two graph launches per step instead of
+    every kernel, which routed models (many small kernels: the fused routing ops, two-phase block
+    routing's merges) gain from where the host's enqueue time shows in the step: block MHAR at 350m
+    on one H200 went from 0.912x to 0.924x prenorm's tokens/s; at 100m, and through ``lit-mhar fit``
+    at 350m, nothing measurable (BENCHMARKS.md, twenty-third set). The warm-up
     forwards and backwards only compute gradients for the capture (``torch.autograd.grad``): no
     parameter's ``.grad`` changes.
 
     The capture runs under the caller's autocast state (on or off, its dtype) with autocast's
     weight-cast cache off, which a capture cannot hold. Each call's loss tensor is the captured output,
     overwritten by the next call: clone it to keep it. Gradients are written into captured buffers
-    that each parameter's ``.grad`` then aliases: clear them (``zero_grad(set_to_none=True)``, the
+    that each parameter's ``.grad`` may then alias: clear them (``zero_grad(set_to_none=True)``, the
     default) between steps; do not accumulate gradients over several calls. The model's parameters
     must keep their tensors (update them in place, as optimizers do).
 
@@ -185,9 +186,10 @@ class LitLM(L.LightningModule):
             ``init_from``, so they load without the file.
         cuda_graph: Capture the training forward and backward (model, LM head, cross-entropy) as
             two CUDA graphs on the first training batch and replay them for every batch of that
-            shape (:func:`graph_training_loss`; a batch of another shape runs eagerly). The host
-            then enqueues two graphs per step instead of every kernel, which keeps the GPU busy
-            where the host's launches would bound the step (routed models, many small kernels).
+            shape (:func:`graph_training_loss`; a batch of another shape runs eagerly, with a
+            warning). The host then enqueues two graphs per step instead of every kernel, which
+            helps where its launches show in the step (routed models, many small kernels; see
+            :func:`graph_training_loss` for what it measured).
             The optimizer step, gradient clipping, the schedule, validation and the routing
             statistics run as usual. One CUDA device only (``trainer.devices: 1``, no DDP or
             FSDP), no gradient accumulation, no ``activation_checkpointing``: the fit refuses
