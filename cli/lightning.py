@@ -145,38 +145,62 @@ def check_accelerator(accelerator: Any, devices: Any = None) -> None:
         )
 
 
+def _setting(config: Any, key: str, default: Any = None) -> Any:
+    """``config``'s dotted ``key``: a jsonargparse namespace's own lookup, or a walk down nested dicts."""
+    if not isinstance(config, dict):
+        return config.get(key, default)
+    node = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
 def check_cuda_graph(config: Any) -> None:
     """Raises ValueError when a fit asks for ``model.cuda_graph`` with a trainer it cannot run on:
     an accelerator other than one CUDA GPU (``cpu``, ``auto`` without a GPU, more than one device
-    or node, a strategy other than ``auto``), ``trainer.accumulate_grad_batches`` > 1, or
-    ``model.activation_checkpointing``. Used by the fit CLI before any data or model work (LitLM
-    checks the devices and the accumulation again when the fit starts)."""
-    if config.get("model.cuda_graph") is not True:
+    or node, a strategy other than ``auto``), ``trainer.accumulate_grad_batches`` other than 1, or
+    ``model.activation_checkpointing``. ``config`` is the fit CLI's namespace or a nested dict of the
+    same keys (a sweep's trial config). Used by the fit CLI before any data or model work and by
+    ``lit-mhar sweep run`` before any trial (LitLM checks the devices and the accumulation again
+    when the fit starts)."""
+    if _setting(config, "model.cuda_graph") is not True:
         return
-    accelerator = config.get("trainer.accelerator")
+    accelerator = _setting(config, "trainer.accelerator")
     name = accelerator.strip().lower() if isinstance(accelerator, str) else accelerator
-    strategy = config.get("trainer.strategy", "auto")
+    strategy = _setting(config, "trainer.strategy", "auto")
+    devices = _setting(config, "trainer.devices")
     one_gpu = "pass --trainer.accelerator gpu --trainer.devices 1 --trainer.num_nodes 1 --trainer.strategy auto"
     why = hint = None
     if name not in (*_GPU_ACCELERATORS, "auto") or (name == "auto" and not torch.cuda.is_available()):
         why, hint = f"trainer.accelerator={accelerator!r}" + (" (no CUDA GPU here)" if name == "auto" else ""), one_gpu
-    elif (_device_count(config.get("trainer.devices")) or torch.cuda.device_count()) != 1:
-        why, hint = f"trainer.devices={config.get('trainer.devices')!r}", one_gpu
-    elif config.get("trainer.num_nodes", 1) not in (1, None):
-        why, hint = f"trainer.num_nodes={config.get('trainer.num_nodes')!r}", one_gpu
+    elif (_device_count(devices) or torch.cuda.device_count()) != 1:
+        why, hint = f"trainer.devices={devices!r}", one_gpu
+    elif _setting(config, "trainer.num_nodes", 1) not in (1, None):
+        why, hint = f"trainer.num_nodes={_setting(config, 'trainer.num_nodes')!r}", one_gpu
     elif not (isinstance(strategy, str) and strategy.strip().lower() == "auto"):
         why, hint = f"trainer.strategy={strategy!r}", one_gpu
-    elif config.get("trainer.accumulate_grad_batches", 1) not in (1, None):
-        why = f"trainer.accumulate_grad_batches={config.get('trainer.accumulate_grad_batches')!r} (the captured backward overwrites gradients)"
+    elif _setting(config, "trainer.accumulate_grad_batches", 1) not in (1, None):
+        why = f"trainer.accumulate_grad_batches={_setting(config, 'trainer.accumulate_grad_batches')!r} (the captured backward overwrites gradients)"
         hint = "pass --trainer.accumulate_grad_batches 1 with a larger --data.batch_size"
-    elif config.get("model.activation_checkpointing"):
+    elif _setting(config, "model.activation_checkpointing"):
         why = "model.activation_checkpointing=True (its recomputation saves the RNG state, which a capture cannot read)"
         hint = "pass --model.activation_checkpointing false"
     if why:
+        remedy = "pass --model.cuda_graph false (this machine has no CUDA GPU)" if not torch.cuda.is_available() else f"{hint}, or --model.cuda_graph false"
         raise ValueError(
-            f"model.cuda_graph=True needs one CUDA GPU, no gradient accumulation and no activation checkpointing; got {why}; "
-            f"{hint}, or --model.cuda_graph false"
+            f"model.cuda_graph=True needs one CUDA GPU (strategy auto, one node), no gradient accumulation and no activation "
+            f"checkpointing; got {why}; {remedy}"
         )
+
+
+def check_accumulate_grad_batches(value: Any) -> None:
+    """Raises ValueError unless ``trainer.accumulate_grad_batches`` is unset or an integer >= 1
+    (Lightning fails on 0 only inside its loop, after the data and the run exist). Used by the fit CLI
+    before any work."""
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"trainer.accumulate_grad_batches={value!r}; need an integer >= 1 (1: no accumulation)")
 
 
 def _is_special_ckpt_path(ckpt_path: str) -> bool:
@@ -279,6 +303,7 @@ class LitMharCLI(LightningCLI):
         if config.get("model.compile") is not None:
             check_compile(config.get("model.compile"))
         if self.subcommand == "fit":
+            check_accumulate_grad_batches(config.get("trainer.accumulate_grad_batches"))
             check_cuda_graph(config)
             check_trainer_limits(config.get("trainer.max_steps", -1), config.get("trainer.max_epochs"))
             check_checkpoint_dirpath(config.get("checkpoint.dirpath"))

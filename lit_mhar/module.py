@@ -123,9 +123,12 @@ def graph_training_loss(model: LM, inputs: Tensor, targets: Tensor, warmup_steps
             f"graph_training_loss: inputs and targets must be integer token ids of one shape [B, T]; got {tuple(inputs.shape)} {inputs.dtype} and {tuple(targets.shape)} {targets.dtype}"
         )
     if model.activation_checkpointing:
-        raise ValueError("graph_training_loss: activation_checkpointing=True cannot be captured (its recomputation saves the RNG state); turn one of them off")
-    if warmup_steps < 1:
-        raise ValueError(f"graph_training_loss: warmup_steps={warmup_steps}; need at least 1 (compilation and first launches must not be captured)")
+        raise ValueError(
+            "graph_training_loss: a model with activation_checkpointing=True cannot be captured (its recomputation saves the RNG state); "
+            "set model.activation_checkpointing = False first"
+        )
+    if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 1:
+        raise ValueError(f"graph_training_loss: warmup_steps={warmup_steps!r}; need an integer >= 1 (compilation and first launches must not be captured)")
     where = [t.device.type for t in (inputs, targets, next(model.parameters()))]
     if any(w != "cuda" for w in where):
         raise ValueError(f"graph_training_loss: CUDA graphs need the model and tokens on a CUDA device; got model, inputs, targets on {where[2]}, {where[0]}, {where[1]}")
@@ -193,7 +196,8 @@ class LitLM(L.LightningModule):
             The optimizer step, gradient clipping, the schedule, validation and the routing
             statistics run as usual. One CUDA device only (``trainer.devices: 1``, no DDP or
             FSDP), no gradient accumulation, no ``activation_checkpointing``: the fit refuses
-            those when it starts. Checkpoints load with or without it.
+            those when it starts. Not saved with the hyperparameters: a checkpoint resumes with
+            or without it, as the resuming command says.
 
     Raises:
         ValueError: a bad hyperparameter, ``config`` does not match the ``init_from`` checkpoint,
@@ -224,14 +228,17 @@ class LitLM(L.LightningModule):
             raise ValueError(f"LitLM: cuda_graph={cuda_graph!r} must be true or false")
         if cuda_graph and activation_checkpointing:
             raise ValueError(
-                "LitLM: cuda_graph=True cannot capture activation_checkpointing=True (its recomputation saves the RNG state); turn one of them off"
+                f"LitLM: cuda_graph=True cannot capture activation_checkpointing={activation_checkpointing!r} (its recomputation saves the RNG state); turn one of them off"
             )
         if lr <= 0 or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0 or routing_lr_multiplier <= 0:
             raise ValueError(
                 f"LitLM: need lr > 0 (got {lr}), 0 <= min_lr_ratio <= 1 (got {min_lr_ratio}), "
                 f"warmup_steps >= 0 (got {warmup_steps}), routing_lr_multiplier > 0 (got {routing_lr_multiplier})"
             )
-        self.save_hyperparameters()
+        # cuda_graph is how this process runs the step, not part of the run: a resumed fit
+        # (--ckpt_path, whose saved hyperparameters replace the command line's) takes its own
+        self.save_hyperparameters(ignore=["cuda_graph"])
+        self._cuda_graph = cuda_graph
         weights = None
         if init_from is not None:
             from lit_mhar.convert import read_checkpoint, resolve_init_config
@@ -265,7 +272,7 @@ class LitLM(L.LightningModule):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def _training_loss(self, batch: Tensor) -> Tensor:
-        if not self.hparams.get("cuda_graph"):
+        if not self._cuda_graph:
             return self._loss(batch)
         if self.trainer.accumulate_grad_batches != 1:  # (a GradientAccumulationScheduler sets it after setup)
             raise ValueError(
@@ -298,7 +305,7 @@ class LitLM(L.LightningModule):
             torch.cuda.empty_cache()
 
     def setup(self, stage: str) -> None:
-        if stage != "fit" or not self.hparams.get("cuda_graph"):
+        if stage != "fit" or not self._cuda_graph:
             return
         self._release_graphs()
         from lightning.pytorch.strategies import SingleDeviceStrategy

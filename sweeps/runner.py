@@ -1031,13 +1031,14 @@ def run(
     representatives = _representatives(parsed, grid, merged)
     say(study, f"checking the fit config of {len(representatives)} representative point(s)")
     resolved_configs = []
-    from lit_mhar.cli.lightning import check_accelerator
+    from lit_mhar.cli.lightning import check_accelerator, check_cuda_graph
 
     for point in representatives:
         try:
             resolved_configs.append(resolve_fit_config(compose_trial_config(merged, per_scale, point)))
             trainer = resolved_configs[-1].get("trainer") or {}
             check_accelerator(trainer.get("accelerator"), trainer.get("devices"))  # gpu on a machine without one
+            check_cuda_graph(resolved_configs[-1])
             token_budget(objective, resolved_configs[-1])
         except ValueError as e:
             raise ValueError(f"point {json.dumps(point)}: {e}") from None

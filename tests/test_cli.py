@@ -91,6 +91,28 @@ def test_cuda_graph_with_a_trainer_it_cannot_run_on_is_one_line_before_any_work(
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # refused before any run or folder
 
 
+def test_cuda_graph_without_a_gpu_names_the_one_remedy_that_works_here(stdlib_corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", "fit", "--config", str(ROOT / "configs" / "debug.yaml"), "--model.cuda_graph", "true",
+                                      "--data.data_dir", str(stdlib_corpus)])
+    assert main() == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "got trainer.accelerator='auto' (no CUDA GPU here); pass --model.cuda_graph false (this machine has no CUDA GPU)" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_accumulate_grad_batches_below_one_is_one_line_before_any_work(value, stdlib_corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", "fit", "--config", str(ROOT / "configs" / "debug.yaml"), "--trainer.accumulate_grad_batches", value,
+                                      "--trainer.accelerator", "cpu", "--data.data_dir", str(stdlib_corpus)])
+    assert main() == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert f"trainer.accumulate_grad_batches={int(value)}; need an integer >= 1" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_cuda_graph_with_activation_checkpointing_is_refused_by_name(stdlib_corpus, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -342,11 +342,18 @@ def test_graph_training_loss_refuses_bad_tokens_and_cpu_tensors_by_name():
                                    (tokens.bool(), tokens, "torch.bool"), (tokens[0], tokens[0], r"\(8,\)")]:
         with pytest.raises(ValueError, match=f"integer token ids of one shape.*{named}"):
             graph_training_loss(lm, inputs, targets)
-    with pytest.raises(ValueError, match="warmup_steps=0; need at least 1"):
-        graph_training_loss(lm, tokens, tokens, warmup_steps=0)
+    for bad in (0, "3", 1.5, True, None):
+        with pytest.raises(ValueError, match=f"warmup_steps={bad!r}; need an integer >= 1"):
+            graph_training_loss(lm, tokens, tokens, warmup_steps=bad)
     lm.activation_checkpointing = True
-    with pytest.raises(ValueError, match="activation_checkpointing=True cannot be captured"):
+    with pytest.raises(ValueError, match="a model with activation_checkpointing=True cannot be captured.*set model.activation_checkpointing = False"):
         graph_training_loss(lm, tokens, tokens)
+
+
+def test_cuda_graph_is_not_saved_with_the_hyperparameters_so_a_resume_takes_its_own():
+    m = module(cuda_graph=True)
+    assert m._cuda_graph is True and "cuda_graph" not in m.hparams
+    assert "cuda_graph" not in module().hparams
 
 
 @pytest.mark.gpu

@@ -517,6 +517,19 @@ def test_gpu_config_without_cuda_stops_the_sweep_before_the_study_exists(tmp_pat
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "runs").exists()
 
 
+def test_cuda_graph_on_a_cpu_sweep_stops_it_before_the_study_exists(tmp_path, stdlib_corpus, monkeypatch):
+    """A base config with model.cuda_graph on a CPU trainer is refused by the sweep's check of its points, not by each trial."""
+    monkeypatch.chdir(tmp_path)
+    path = write_sweep(tmp_path, stdlib_corpus, "graphed", {"residual": ["prenorm", "attnres"]})
+    sweep = yaml.safe_load(path.read_text())
+    sweep["base"].setdefault("model", {})["cuda_graph"] = True
+    path.write_text(yaml.safe_dump(sweep, sort_keys=False))
+    with pytest.raises(ValueError, match=r"point .*model.cuda_graph=True needs one CUDA GPU.*got trainer.accelerator="):
+        main(["sweep", "run", "--config", str(path)])
+    assert "graphed" not in optuna.get_all_study_names(open_storage(f"sqlite:///{tmp_path / 'sweeps.db'}"))
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "runs").exists()
+
+
 def test_parent_run_gets_an_end_time_and_fails_when_no_trial_completed(tmp_path, stdlib_corpus, monkeypatch, capsys):
     """Every trial FAILs (H = 3 does not divide d = 32, before any fit starts): exit 1 and the parent run FAILED, ended."""
     from lit_mhar.sweeps.runner import _close_parent
