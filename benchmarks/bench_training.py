@@ -231,14 +231,14 @@ def training_parts(scale, overrides, batch, seq, compile_):
     idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=DEVICE, generator=gen)
     x, y = idx[:, :-1], idx[:, 1:]
 
-    graphed = []
+    captured = []  # graphed-loss: the captured training loss, once the first step came
 
     def forward():
         if GRAPHED_LOSS and DEVICE == "cuda":
             with torch.autocast(DEVICE, dtype=torch.bfloat16, cache_enabled=False):
-                if not graphed:
-                    graphed.append(graph_training_loss(model, x, y))
-                return graphed[0](x, y)
+                if not captured:
+                    captured.append(graph_training_loss(model, x, y))
+                return captured[0](x, y)
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             logits = model(x)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
