@@ -133,32 +133,6 @@ def build(scale: str, overrides: dict, smoke: bool, device: torch.device) -> LM:
     return model.eval().requires_grad_(False)
 
 
-class GraphOffsets:
-    """Stand-in for the fused routing op's offset-table upload (``triton_routing._offsets``) while a
-    CUDA graph is captured.
-
-    The op uploads a small int64 table of source offsets from a fresh pinned host tensor on every
-    call; a captured copy node re-reads that host memory at every replay, so the memory must stay
-    allocated and unchanged for the graph's lifetime. Here the tables go to consecutive slices of
-    one pinned buffer, allocated before the capture and kept with the graph. (Same table contents
-    as the op's own function; the graph-vs-eager check of each run verifies the result.)
-    """
-
-    def __init__(self, entries: int = 1 << 16) -> None:
-        self.buffer = torch.empty(entries, dtype=torch.int64, pin_memory=True)
-        self.used = 0
-
-    def __call__(self, tensors, base: torch.Tensor) -> torch.Tensor:
-        size = base.element_size()
-        offsets = [(t.data_ptr() - base.data_ptr()) // size for t in tensors] + [0]
-        if self.used + len(offsets) > self.buffer.numel():
-            raise RuntimeError(f"GraphOffsets: {self.buffer.numel()} entries are not enough for this graph")
-        host = self.buffer[self.used : self.used + len(offsets)]
-        self.used += len(offsets)
-        host.copy_(torch.tensor(offsets, dtype=torch.int64))
-        return host.to(base.device, non_blocking=True)
-
-
 class Decoder:
     """Greedy decode steps from a prefilled cache: ``step()`` feeds ``tok`` at ``pos``, writes the
     argmax into ``tok`` and advances ``pos``; every tensor it touches has a fixed address, so the
@@ -195,16 +169,11 @@ class Decoder:
             for _ in range(3):
                 self.step()
         torch.cuda.current_stream().wait_stream(side)
-        from lit_mhar.kernels import triton_routing
-
-        self.offsets = GraphOffsets()
-        original, triton_routing._offsets = triton_routing._offsets, self.offsets
-        try:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.step()
-        finally:
-            triton_routing._offsets = original
+        # (the routing ops' offset tables made during the capture keep their pinned host memory,
+        # which the captured copies re-read at every replay: lit_mhar.kernels.triton_routing._offsets)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()
         self.reset()
 
     def replay(self) -> torch.Tensor:
