@@ -35,7 +35,7 @@ import triton
 from triton.testing import do_bench
 
 from lit_mhar import LM, ModelConfig, routing
-from lit_mhar.module import graph_training_loss
+from lit_mhar.module import graph_training_loss, next_token_loss
 
 FULL_ROUTING_GROUPS = (routing.FULL_ROUTING_GROUP, routing.FULL_ROUTING_GROUP_ADDITIVE)  # the package's (replacement, additive)
 
@@ -241,7 +241,7 @@ def training_parts(scale, overrides, batch, seq, compile_):
                 return captured[0](x, y)
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             logits = model(x)
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        return next_token_loss(logits, y)
 
     def update():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

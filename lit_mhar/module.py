@@ -68,18 +68,23 @@ def fsdp_strategy(**kwargs: Any) -> FSDPStrategy:
     return FSDPStrategy(**kwargs)
 
 
+def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy in nats (float32, 0-d) of ``logits`` ``[B, T, V]`` (any float
+    dtype; computed in float32) against token ids ``targets`` ``[B, T]`` (int64): the training,
+    validation and test loss."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
 class TrainingLoss(torch.nn.Module):
-    """The training forward as one module: mean next-token cross-entropy (nats, float32 0-d) of
-    ``model``'s logits for ``inputs`` against ``targets`` (int64 ``[B, T]`` each): what
-    :func:`graph_training_loss` captures."""
+    """The training forward as one module: :func:`next_token_loss` of ``model``'s logits for
+    ``inputs`` against ``targets`` (int64 ``[B, T]`` each): what :func:`graph_training_loss` captures."""
 
     def __init__(self, model: LM) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        logits = self.model(inputs)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return next_token_loss(self.model(inputs), targets)
 
 
 def graph_training_loss(model: LM, inputs: Tensor, targets: Tensor, warmup_steps: int = 3) -> TrainingLoss:
@@ -268,17 +273,12 @@ class LitLM(L.LightningModule):
 
     def _loss(self, batch: Tensor) -> Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = self(inputs)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return next_token_loss(self(inputs), targets)
 
     def _training_loss(self, batch: Tensor) -> Tensor:
         if not self._cuda_graph:
             return self._loss(batch)
-        if self.trainer.accumulate_grad_batches != 1:  # (a GradientAccumulationScheduler sets it after setup)
-            raise ValueError(
-                f"LitLM: cuda_graph=True cannot accumulate gradients (the captured backward overwrites them); "
-                f"trainer.accumulate_grad_batches={self.trainer.accumulate_grad_batches} at step {self.global_step}, need 1"
-            )
+        self._check_no_accumulation()  # (again at every step: a GradientAccumulationScheduler sets it after setup)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         if not self._graphed:
             self._graphed.append(graph_training_loss(self.model, inputs, targets))
@@ -316,10 +316,13 @@ class LitLM(L.LightningModule):
                 f"LitLM: cuda_graph=True needs one CUDA device (trainer.accelerator gpu, trainer.devices 1); "
                 f"got {type(strategy).__name__} on {device}"
             )
+        self._check_no_accumulation()
+
+    def _check_no_accumulation(self) -> None:
         if self.trainer.accumulate_grad_batches != 1:
             raise ValueError(
                 f"LitLM: cuda_graph=True cannot accumulate gradients (the captured backward overwrites them); "
-                f"trainer.accumulate_grad_batches={self.trainer.accumulate_grad_batches}, need 1"
+                f"trainer.accumulate_grad_batches={self.trainer.accumulate_grad_batches} at step {self.global_step}, need 1"
             )
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:

@@ -429,3 +429,12 @@ def test_cuda_graph_fit_trains_as_the_eager_fit(compile, tmp_path):
     again.append(fit(eager, 2))
     for p, q in zip(*again):
         assert torch.equal(p, q)
+
+
+def test_cuda_graph_refuses_gradient_accumulation_at_a_step_before_any_capture():
+    """A GradientAccumulationScheduler sets accumulate_grad_batches after setup: each step checks it again."""
+    m = module(cuda_graph=True)
+    attach(m, accelerator="cpu", accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match="cannot accumulate gradients.*accumulate_grad_batches=2 at step 0, need 1"):
+        m._training_loss(torch.randint(0, 64, (2, 17)))
+    assert not m._graphed
