@@ -121,6 +121,7 @@ KNOBS = {
     "pf2-stats": {(TR, "PREFETCH", "bwd_stats"): 2},
     "src-rstd-all": {(TR, "SPLIT_SOURCES_RSTD_HEADS"): 1 << 30},  # pass two loads the saved key rstd at split widths whatever H
     "src-rstd0": {(TR, "SPLIT_SOURCES_RSTD_HEADS"): 0},  # pass two recomputes the key rstd at split widths
+    "first-group-pass": {("lit_mhar.routing", "FIRST_GROUP_DIRECT"): False},  # the first group's phase-one pass over the embedding alone (before the twenty-fourth set)
     "unfused-norm": {("lit_mhar.routing", "FUSED_NORM"): False},  # the merge, then the RMSNorm module (two ops)
     "fused-norm-all": {("lit_mhar.routing", "FUSED_NORM_ADDITIVE_FULL"): True},  # Delta full routing fused too (the default now)
     "unfused-additive-full": {("lit_mhar.routing", "FUSED_NORM_ADDITIVE_FULL"): False},  # Delta full routing: merge, then the norm module

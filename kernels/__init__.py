@@ -1,7 +1,8 @@
 """Depth-routing kernels and their dispatcher.
 
 ``depth_route`` (and the two phases of Block AttnRes, ``route_sites`` and ``merge_route``, or
-``merge_route_norm``, the second phase fused with the next RMSNorm;
+``merge_route_norm``, the second phase fused with the next RMSNorm; ``route_norm``, one site fused
+with the next RMSNorm without a prior;
 ``route_norm_decode``, decoding's routing fused with the next RMSNorm, and ``route_sites_decode``,
 the phase one of a group of decoding sites) run the fused Triton kernels
 for CUDA tensors and the plain PyTorch reference otherwise. ``use_backend``
@@ -93,6 +94,13 @@ def merge_route_norm(
     )
 
 
+def route_norm(sources, query, gain, heads, norm_weight, norm_eps, eps=1e-6, grad_sink=None):
+    """Dispatching routing fused with the next RMSNorm, without a prior (training); see :func:`lit_mhar.kernels.reference.route_norm`."""
+    if len(sources) == 0:
+        reference.check_route_norm_args(sources, query, gain, heads, norm_weight, norm_eps, eps)
+    return _impl(sources[0], "route_norm: sources[0]").route_norm(sources, query, gain, heads, norm_weight, norm_eps, eps, grad_sink)
+
+
 def route_norm_decode(
     history, n_sources, pending, accumulate, query, gain, heads, norm_weight, norm_eps, stream=None, gate=None, eps=1e-6,
     prior_out=None, prior_lse=None, n_prior=0,
@@ -114,6 +122,7 @@ __all__ = [
     "route_sites",
     "merge_route",
     "merge_route_norm",
+    "route_norm",
     "route_norm_decode",
     "route_sites_decode",
     "reference_depth_route",

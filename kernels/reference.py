@@ -378,6 +378,69 @@ def merge_route_norm(
     return y.to(dtype)
 
 
+def route_norm(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    gain: Tensor,
+    heads: int,
+    norm_weight: Tensor,
+    norm_eps: float,
+    eps: float = 1e-6,
+    grad_sink: Optional[GradientSink] = None,
+) -> Tensor:
+    """One routing site fused with the next sublayer's RMSNorm, without a prior (training).
+
+    ``RMSNorm(r) * norm_weight`` of the routed value ``r`` that :func:`depth_route` gives over
+    ``sources`` (AttnRes / MHAR, the replacement form; AttnRes, Eq. 2-4, with H heads as MHAR
+    splits them), the norm over the whole width d:
+
+        y = r * norm_weight / sqrt(mean_c r[c]^2 + norm_eps)
+
+    ``r`` is kept in the arithmetic dtype (float32 for half-precision inputs) between the two, not
+    rounded; only ``y`` is. Two-phase routing (:class:`lit_mhar.routing.DepthHistory`) routes the
+    sites of a group whose phase one would see only the embedding this way: with one complete
+    source phase one's softmax is 1 and its routed value that source, so the pass, which writes one
+    copy of it per site, is left out (``lit_mhar.routing.FIRST_GROUP_DIRECT``).
+
+    Args:
+        sources: N >= 1 tensors ``[..., d]`` (one shape and device), oldest first.
+        query, gain: ``[d]`` the site's pseudo-query and key-norm gain. heads: H dividing d.
+        norm_weight: ``[d]`` the RMSNorm's weight; norm_eps: its epsilon (> 0).
+        eps: the key RMSNorm epsilon (> 0).
+        grad_sink: as in :func:`route_sites` (the sources' gradients go into the sink).
+
+    Returns:
+        ``y`` ``[..., d]`` in the sources' promoted dtype.
+
+    Raises:
+        ValueError: no sources; a shape, device, dtype, ``heads`` or epsilon that does not fit.
+    """
+    check_route_norm_args(sources, query, gain, heads, norm_weight, norm_eps, eps)
+    if grad_sink is not None:
+        sources = grad_sink.feed(sources, "route_norm")
+    routed, _ = _route_with_prior(sources, query, gain, heads, None, None, eps, round_out=False)
+    y = torch.nn.functional.rms_norm(routed, (routed.shape[-1],), norm_weight.to(routed.dtype), norm_eps)
+    dtype = sources[0].dtype
+    for s_ in sources[1:]:
+        dtype = torch.promote_types(dtype, s_.dtype)
+    return y.to(dtype)
+
+
+def check_route_norm_args(
+    sources: Sequence[Tensor], query: Tensor, gain: Tensor, heads: int, norm_weight: Tensor, norm_eps: float, eps: float
+) -> None:
+    """Validate :func:`route_norm`'s arguments before any work; raise ValueError naming the bad one."""
+    check_route_args(sources, query, gain, heads, None, None, None, "route_norm")
+    d = sources[0].shape[-1]
+    if not isinstance(norm_weight, Tensor) or tuple(norm_weight.shape) != (d,) or norm_weight.device != sources[0].device:
+        raise ValueError(f"route_norm: norm_weight must be a ({d},) tensor on {sources[0].device}, got {getattr(norm_weight, 'shape', norm_weight)!r}")
+    if not norm_weight.is_floating_point():
+        raise ValueError(f"route_norm: norm_weight has dtype {norm_weight.dtype}; expected a floating dtype")
+    for name, value in (("norm_eps", norm_eps), ("eps", eps)):  # > 0: a token of zeros (or a padding row) stays finite
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"route_norm: {name}={value!r} must be a finite number > 0")
+
+
 def _route_with_prior(sources, query, gain, heads, prior, additive, eps, round_out=True):
     """Routed output and the scores ``[N(+1), ..., H]``; the prior, if any, is score row 0.
     ``round_out=False`` returns the replacement form's output in the arithmetic dtype."""

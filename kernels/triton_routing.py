@@ -85,7 +85,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lit_mhar.kernels.reference import check_decode_args, check_merge_norm_args, check_route_args, check_sites_decode_args
+from lit_mhar.kernels.reference import check_decode_args, check_merge_norm_args, check_route_args, check_route_norm_args, check_sites_decode_args
 from lit_mhar.kernels.sink import GradientSink, SinkBinding
 
 # Largest padded width (next power of two of d) one program keeps in registers.
@@ -741,7 +741,7 @@ def _route_bwd(
             if SAVED_R:
                 d_r = dsum  # D = <dr, r>_h, before the lse's gradient enters
                 a_sum = tl.full([BS, BM, BH, 1], 0.0, tl.float32)  # sum_i alpha_i <dr, v_i>_h, from pass two
-            else:
+            elif HAS_PRIOR:  # (route_norm: a fused norm over sources alone)
                 p_a = tl.reduce(dr * po, 3, _ADD, keep_dims=True)
                 if DT > 0:
                     p_a += tl.reduce(dr_t * po_t, 3, _ADD, keep_dims=True)
@@ -1830,8 +1830,8 @@ def _forward(
     save_routed: bool = False,
 ) -> list[Tensor]:
     like = sources[0] if sources else prior_out
-    if norm_weight is not None and (prior_out is None or queries.shape[0] != 1):
-        raise ValueError("triton depth routing: the fused RMSNorm (norm_weight) needs one site with a prior")
+    if norm_weight is not None and (queries.shape[0] != 1 or (prior_out is None and (stream is not None or not sources))):
+        raise ValueError("triton depth routing: the fused RMSNorm (norm_weight) needs one site, with a prior or (replacement form) sources")
     if save_routed and (norm_weight is None or prior_out is None):
         raise ValueError("triton depth routing: save_routed is for the fused norm's merges (norm_weight and a prior)")
     shape, d = like.shape, like.shape[-1]
@@ -1841,7 +1841,7 @@ def _forward(
         _tile("bwd", n_sites, d, heads, interpret)
     group = _group_sites(n_sites, FWD_SITES, d, heads, padded=FWD_SITES_PADDED)
     # a forward with a prior (a merge: one site, few sources) is a launch kind of its own
-    _, bm, warps, bh, bdh, dt = _tile("fwd" if prior_out is None else "merge_fwd", group, d, heads, interpret)
+    _, bm, warps, bh, bdh, dt = _tile("fwd" if prior_out is None and norm_weight is None else "merge_fwd", group, d, heads, interpret)
     srcs = [_aligned(s) for s in sources]
     base = srcs[0] if srcs else _aligned(prior_out)
     w = (queries.float() * gains.float()).contiguous()
@@ -1905,17 +1905,18 @@ def _source_grad_targets(sink: Optional[SinkBinding], n_src: int, like: Tensor) 
     return _new((0,), like.dtype, like.device), targets, addends, n_acc
 
 
-def _uses_site_loop(n_sites: int, n_src: int, has_prior: bool) -> bool:
-    """Whether the backward of such a pass runs the site-loop kernels (else the two-pass kernel)."""
-    return not has_prior and n_src > 0 and (n_sites >= SITE_LOOP_MIN_SITES or n_src >= SITE_LOOP_MIN_SOURCES)
+def _uses_site_loop(n_sites: int, n_src: int, has_prior: bool, norm: bool = False) -> bool:
+    """Whether the backward of such a pass runs the site-loop kernels (else the two-pass kernel,
+    which alone has the fused norm's backward)."""
+    return not has_prior and not norm and n_src > 0 and (n_sites >= SITE_LOOP_MIN_SITES or n_src >= SITE_LOOP_MIN_SOURCES)
 
 
-def _saves_rstd(sources: Sequence[Tensor], queries: Tensor, gains: Tensor, has_prior: bool) -> bool:
+def _saves_rstd(sources: Sequence[Tensor], queries: Tensor, gains: Tensor, has_prior: bool, norm: bool = False) -> bool:
     """Whether the forward of such a pass writes each source's key rstd ``[N, tokens]`` for its
     backward: ``SAVE_RSTD``, a backward that will run (gradients on) and runs the site loop."""
     return (
         SAVE_RSTD
-        and _uses_site_loop(queries.shape[0], len(sources), has_prior)
+        and _uses_site_loop(queries.shape[0], len(sources), has_prior, norm)
         and torch.is_grad_enabled()
         and any(t.requires_grad for t in (queries, gains, *sources))
     )
@@ -1964,7 +1965,7 @@ def _backward(
     n_sites, n_src, M = queries.shape[0], (1 if rebuild else len(sources)), like.numel() // d
     device = like.device
     interpret = device.type != "cuda"
-    if _uses_site_loop(n_sites, n_src, prior_out is not None):
+    if _uses_site_loop(n_sites, n_src, prior_out is not None, norm_weight is not None):
         empty = [_new((0,), torch.float32, device) for _ in range(2)]  # no norm: d_norm_weight, d_stream
         return [*_backward_site_loop(sources, queries, gains, heads, eps, gate, lse, grad_outs, grad_lse, rstd, sink), *empty]
     # the additive form (its stream and gate) is a tile kind of its own: it holds more per token
@@ -2497,7 +2498,7 @@ def _route(
     custom op returns the gradients through autograd, also correct for the aliases.
     ``stream_start``, ``block_outputs``, ``earlier_outputs``: see :func:`merge_route_norm`; used on
     the eager path only (the custom op saves the stream and the sources)."""
-    save_rstd = _saves_rstd(sources, queries, gains, prior_out is not None)
+    save_rstd = _saves_rstd(sources, queries, gains, prior_out is not None, norm_weight is not None)
     if EAGER_FUNCTION and not torch.compiler.is_compiling():
         save_routed = _saves_routed(sources, queries, gains, stream, prior_out, prior_lse, norm_weight, block_outputs)
         return _RouteFunction.apply(
@@ -2688,6 +2689,32 @@ def merge_route_norm(
     )[0]
 
 
+
+
+def route_norm(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    gain: Tensor,
+    heads: int,
+    norm_weight: Tensor,
+    norm_eps: float,
+    eps: float = 1e-6,
+    grad_sink: Optional[GradientSink] = None,
+) -> Tensor:
+    """One routing site fused with the next RMSNorm, without a prior: one kernel forward, one backward.
+
+    Same contract as :func:`lit_mhar.kernels.reference.route_norm`. The forward reads each source
+    once (online softmax) and writes only the norm's output; the backward (the two-pass kernel of
+    the merges, without a prior) recomputes the routed value from the sources. With ``grad_sink``
+    the backward kernel adds the sources' gradients into the sink; where the sources are cast to a
+    common dtype first, they go through autograd instead (the same totals).
+    """
+    check_route_norm_args(sources, query, gain, heads, norm_weight, norm_eps, eps)
+    binding = _bind(grad_sink, sources, "route_norm")
+    srcs = _common_dtype(sources)
+    return _route(
+        srcs, query[None], gain[None], heads, eps, None, None, None, None, False, norm_weight, float(norm_eps), sink=_uncast(binding, srcs, sources),
+    )[0]
 
 # ----------------------------------------------------------------------------------------------
 # Decode: routing fused with the next RMSNorm (inference only)

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lit_mhar.kernels import GradientSink, depth_route, merge_route, merge_route_norm, route_norm_decode, route_sites, route_sites_decode
+from lit_mhar.kernels import GradientSink, depth_route, merge_route, merge_route_norm, route_norm, route_norm_decode, route_sites, route_sites_decode
 
 
 # Sites of full routing (S = 1) routed together in phase one of the two-phase computation: each
@@ -47,6 +47,14 @@ FULL_ROUTING_GROUP_ADDITIVE = 8
 # (``DOT_MAX_SITES``), so a block of 16 keeps them and the final site its own pass.
 JOIN_FINAL_SITE = True
 JOIN_FINAL_SITE_MAX_SITES = 16
+# The sites of a group whose phase one would see one complete source (the embedding: the first block
+# of block routing, the first group of full routing) are routed directly over their sources, the
+# replacement form fused with the next RMSNorm (:func:`lit_mhar.kernels.route_norm`). A softmax over
+# one source is 1, so that phase-one pass only writes a copy of the embedding for every site of the
+# group (and its backward reads them all back); each site instead reads the embedding itself, which
+# its merge would have read in place of the copy. The additive form (Delta AttnRes, whose stream
+# replay spans the group) keeps its pass. A benchmark knob (``first-group-pass``: False).
+FIRST_GROUP_DIRECT = True
 
 # Decoding with full routing: sites per phase-one group of a decode step (BENCHMARKS.md, fourth
 # set; a decode step has no backward, so the training's group sizes do not carry over; a prefill
@@ -126,7 +134,9 @@ class DepthHistory:
     sublayer outputs since the group started). A group is a block (Block AttnRes, S > 1) or
     ``FULL_ROUTING_GROUP`` consecutive sites (full routing, S = 1; ``FULL_ROUTING_GROUP_ADDITIVE``
     in the additive form, whose sites have a gate); the model's last site, where it would start a
-    group of its own, joins the group before it (``JOIN_FINAL_SITE``). The result equals per-site
+    group of its own, joins the group before it (``JOIN_FINAL_SITE``). A group that starts before
+    the first block completes, whose phase one would see the embedding alone, is routed site by
+    site instead in the replacement form (``FIRST_GROUP_DIRECT``). The result equals per-site
     routing over :meth:`sources` up to rounding (float64: to 1e-12).
 
     Args:
@@ -281,7 +291,7 @@ class DepthHistory:
         (not with ``return_weights``: probes take the plain path). ``stream`` is the residual
         stream of the additive form.
         """
-        if not self.two_phase or return_weights:
+        if not self.two_phase or return_weights or self._direct(site):
             return site(self, stream, return_weights=return_weights)
         prior_out, prior_lse, newer = self._phase_two_inputs()
         if not newer and site.gate is None:
@@ -314,6 +324,10 @@ class DepthHistory:
         )
         if not fused:
             return norm(self.route(site, stream))
+        if self._direct(site):  # (FIRST_GROUP_DIRECT)
+            sources = self.sources()
+            eps = norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(sources[0].dtype, norm.weight.dtype)).eps
+            return route_norm(sources, site.query, site.key_gain, site.heads, norm.weight, eps, eps=site.eps, grad_sink=self._sink_for(sources))
         prior_out, prior_lse, newer = self._phase_two_inputs()
         eps = norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(prior_out.dtype, norm.weight.dtype)).eps
         additive = site.gate is not None
@@ -357,6 +371,15 @@ class DepthHistory:
             return {}  # (an output of another dtype: the running sum is not their sum in one dtype)
         return dict(stream_start=start, block_outputs=outputs, **extra)
 
+    def _direct(self, site: "RoutingSite") -> bool:
+        """Whether ``site``, the site about to run, is routed directly over :meth:`sources`, without
+        phase one (``FIRST_GROUP_DIRECT``): the replacement form, in a group that starts before the
+        first block completes, whose phase one would see the embedding alone."""
+        return (
+            FIRST_GROUP_DIRECT and self.two_phase and site.gate is None
+            and self._group_first(self.n_appended) < self.block_size
+        )
+
     def _phase_two_inputs(self) -> tuple[Tensor, Tensor, list[Tensor]]:
         """Phase one's routed value and lse for the site about to run, and the sources added since."""
         index = self.n_appended
@@ -384,7 +407,7 @@ class DepthHistory:
         # or outputs (the live list of outputs grows, and checkpointing holds snapshots until backward)
         view._replay = view._stream_next = view._stream_site = None
         view._group_outputs, view._earlier = [], []
-        if self.two_phase:
+        if self.two_phase and not self._direct(self.sites[self.n_appended]):
             index = self.n_appended
             if index not in self._inter:
                 self._route_group(index)

@@ -16,7 +16,7 @@ import torch
 import triton
 
 from lit_mhar import LM, ModelConfig
-from lit_mhar.kernels import reference, use_backend
+from lit_mhar.kernels import GradientSink, reference, use_backend
 from lit_mhar.kernels import triton_routing as tr
 
 CUDA = torch.cuda.is_available()
@@ -931,6 +931,90 @@ MERGE_NORM_GPU = [
 @pytest.mark.parametrize("n,heads,d,tokens,dtype,additive", MERGE_NORM_GPU, ids=[merge_norm_id(*c) for c in MERGE_NORM_GPU])
 def test_merge_route_norm_matches_float64_reference_full_grid(n, heads, d, tokens, dtype, additive):
     check_merge_route_norm(n, heads, d, tokens, dtype, additive)
+
+
+def check_route_norm(n, heads, d, tokens, dtype, device=DEVICE, seed=0, sink=False):
+    """route_norm (one site fused with the norm, no prior) on the kernels against the float64
+    reference: output and the gradient of every input (sources, query, gain, the norm weight); with
+    ``sink`` the sources' gradients summed in a GradientSink, as two-phase routing's first group does."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (tokens, d) if tokens % 2 else (2, tokens // 2, d)
+    sources = [(torch.randn(shape, generator=g) * (0.5 + i)).to(device, dtype) for i in range(n)]
+    query = (2.0 * (heads / d) ** 0.5 * torch.randn(d, generator=g)).to(device)
+    gain = (1 + 0.3 * torch.randn(d, generator=g)).to(device)
+    weight = (1 + 0.5 * torch.randn(d, generator=g)).to(device)
+    dy = torch.randn(shape, generator=g, dtype=torch.float64).to(device)
+    leaves = [x.detach().requires_grad_() for x in (*sources, query, gain, weight)]
+
+    def call(fn, xs):
+        srcs = xs[:n]
+        if not sink:
+            return fn(srcs, xs[n], xs[n + 1], heads, xs[n + 2], 1e-5)
+        s_ = GradientSink()
+        collected = [s_.collect(x) for x in srcs]
+        return fn(collected, xs[n], xs[n + 1], heads, xs[n + 2], 1e-5, grad_sink=s_)
+
+    y = call(tr.route_norm, leaves)
+    grads = torch.autograd.grad(y, leaves, dy.to(y.dtype), allow_unused=True, materialize_grads=True)
+    leaves64 = [x.detach().double().requires_grad_() for x in leaves]
+    ref = call(reference.route_norm, leaves64)
+    ref_grads = torch.autograd.grad(ref, leaves64, dy, allow_unused=True, materialize_grads=True)
+    assert y.dtype == dtype and rel_err(y, ref) < TOL[dtype]
+    names = [f"source{i}" for i in range(n)] + ["query", "gain", "norm_weight"]
+    for name, x, g_, r in zip(names, leaves, grads, ref_grads):
+        assert g_.dtype == x.dtype, name
+        if n == 1 and name in ("query", "gain"):  # a softmax over one source is 1: exact gradient 0
+            assert g_.abs().max() == 0, name
+            continue
+        err = rel_err(g_, r)
+        assert err < TOL[dtype], f"d{name}: relative error {err:.2e}"
+
+
+# one source (the first site of a model), two, several, past SITE_LOOP_MIN_SOURCES (the backward
+# must stay on the two-pass kernel, which alone has the norm); split and padded head widths; token
+# counts that are not multiples of the tile
+ROUTE_NORM_CPU = [
+    (1, 4, 64, 5, torch.float32, False),
+    (2, 2, 96, 37, torch.bfloat16, True),
+    (3, 8, 160, 70, torch.float32, False),
+    (2, 1, 1000, 9, torch.float32, True),
+    (9, 4, 48, 131, torch.bfloat16, True),
+    (13, 2, 96, 3, torch.float32, False),
+]
+
+
+@pytest.mark.parametrize("n,heads,d,tokens,dtype,sink", ROUTE_NORM_CPU, ids=[merge_norm_id(*c[:5], False) + ("-sink" if c[5] else "") for c in ROUTE_NORM_CPU])
+def test_route_norm_matches_float64_reference(n, heads, d, tokens, dtype, sink):
+    check_route_norm(n, heads, d, tokens, dtype, sink=sink)
+
+
+ROUTE_NORM_GPU = [
+    (n, h, d, 1037, dt, sink)
+    for n, h, d, dt, sink in itertools.product((1, 2, 9, 33), (1, 2, 8, 16), (64, 96, 1000, 1024, 1280), (torch.float32, torch.bfloat16), (False, True))
+    if d % h == 0
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,heads,d,tokens,dtype,sink", ROUTE_NORM_GPU, ids=[merge_norm_id(*c[:5], False) + ("-sink" if c[5] else "") for c in ROUTE_NORM_GPU])
+def test_route_norm_matches_float64_reference_full_grid(n, heads, d, tokens, dtype, sink):
+    check_route_norm(n, heads, d, tokens, dtype, sink=sink)
+
+
+def test_route_norm_refuses_bad_input_before_any_work():
+    """route_norm's errors name the bad argument, on either path, before a kernel runs."""
+    x = [torch.randn(4, 8)]
+    q, g, w = torch.zeros(8), torch.ones(8), torch.ones(8)
+    for fn in (tr.route_norm, reference.route_norm):
+        with pytest.raises(ValueError, match="sources is empty"):
+            fn([], q, g, 2, w, 1e-5)
+        with pytest.raises(ValueError, match="norm_weight must be a \\(8,\\) tensor"):
+            fn(x, q, g, 2, torch.ones(4), 1e-5)
+        with pytest.raises(ValueError, match="norm_eps=0"):
+            fn(x, q, g, 2, w, 0)
+        with pytest.raises(ValueError, match="heads=3"):
+            fn(x, q, g, 3, w, 1e-5)
 
 
 def merge_norm_side_inputs(g, tokens, d, heads, dtype):
@@ -2051,42 +2135,85 @@ def test_model_on_triton_path_matches_reference_path(residual, heads, block_size
         assert err < max(1e-5, 3 * rel_err(grads_ref[name], grads64[name])), f"{name}: {err:.2e}"
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["first-block-direct", "first-block-pass"])
 @pytest.mark.parametrize(
     "join,max_sites", [(True, 16), (False, 16), (True, 4), (True, 3)], ids=["final-site-joins", "lone-final-site", "group-to-the-limit", "group-past-the-limit"]
 )
-def test_two_phase_model_calls_route_sites_once_per_block(monkeypatch, join, max_sites):
+def test_two_phase_model_calls_route_sites_once_per_block(monkeypatch, join, max_sites, direct):
     """Phase one runs once per block of sites: 6 sublayers + the final site in blocks of 3 are groups
     {0, 1, 2} and {3, 4, 5, 6}, the final site joining the block before it (JOIN_FINAL_SITE, the
     default; also where a group may hold 4 sites, JOIN_FINAL_SITE_MAX_SITES), or without it, or
-    where a group may hold only 3 sites, {0, 1, 2}, {3, 4, 5}, {6}."""
+    where a group may hold only 3 sites, {0, 1, 2}, {3, 4, 5}, {6}. The first block's sites, whose
+    pass would see the embedding alone, are routed directly (FIRST_GROUP_DIRECT, the default)."""
     from lit_mhar import routing
 
-    assert routing.JOIN_FINAL_SITE and routing.JOIN_FINAL_SITE_MAX_SITES == 16
+    assert routing.JOIN_FINAL_SITE and routing.JOIN_FINAL_SITE_MAX_SITES == 16 and routing.FIRST_GROUP_DIRECT
     monkeypatch.setattr(routing, "JOIN_FINAL_SITE", join)
     monkeypatch.setattr(routing, "JOIN_FINAL_SITE_MAX_SITES", max_sites)
+    monkeypatch.setattr(routing, "FIRST_GROUP_DIRECT", direct)
     model = tiny_model("attnres", 2, 3, n_layer=3)
     calls = []
     original = routing.route_sites
     monkeypatch.setattr(routing, "route_sites", lambda srcs, q, *a, **kw: calls.append((len(srcs), q.shape[0])) or original(srcs, q, *a, **kw))
     with use_backend("triton"):
         model(torch.randint(0, 97, (1, 5)).to(DEVICE))
-    assert calls == ([(1, 3), (2, 4)] if join and max_sites > 3 else [(1, 3), (2, 3), (3, 1)])
+    expected = [(1, 3), (2, 4)] if join and max_sites > 3 else [(1, 3), (2, 3), (3, 1)]
+    assert calls == (expected[1:] if direct else expected)
 
 
+@pytest.mark.parametrize("block_size,n_layer,direct_sites", [(3, 3, 3), (1, 7, 12), (1, 6, 13)], ids=["block-S3", "full-15-sources", "full-13-sites"])
+def test_first_group_routed_directly_gives_the_pass_and_merge_results(monkeypatch, block_size, n_layer, direct_sites):
+    """The first group's sites routed directly over their sources (route_norm, FIRST_GROUP_DIRECT)
+    give the loss and every parameter gradient of phase one over the embedding alone and the
+    merges, up to float32 rounding: route_norm runs once per site of the group (the final site too
+    where it joins it), and the other groups still run phase one and the merges."""
+    from lit_mhar import routing
+
+    model = tiny_model("attnres", 2, block_size, n_layer=n_layer)
+    idx = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    runs, direct_calls = {}, []
+    original = routing.route_norm
+    monkeypatch.setattr(routing, "route_norm", lambda srcs, *a, **kw: direct_calls.append(len(srcs)) or original(srcs, *a, **kw))
+    for direct in (False, True):
+        monkeypatch.setattr(routing, "FIRST_GROUP_DIRECT", direct)
+        runs[direct] = triton_loss_and_grads(model, idx)
+        if not direct:
+            assert direct_calls == []
+    # the group's sites see the embedding and the sources added since: block routing the running
+    # sum of the first block (site 0: the embedding alone), full routing each sublayer output
+    expected = [1] + [2] * (direct_sites - 1) if block_size > 1 else list(range(1, direct_sites + 1))
+    assert direct_calls == expected
+    (loss_p, grads_p), (loss_d, grads_d) = runs[False], runs[True]
+    assert (loss_d - loss_p).abs() <= 1e-6 * loss_p.abs()
+    assert grads_d.keys() == grads_p.keys()
+    for name in grads_p:
+        if name.startswith("blocks.0.attn_site."):  # the model's first site routes over the embedding alone:
+            assert grads_d[name].abs().max() == 0, name  # exact 0, where the pass gives its rounding (~1e-9)
+            continue
+        scale = grads_p[name].abs().max()
+        assert scale > 0 and (grads_d[name] - grads_p[name]).abs().max() <= 1e-5 * scale, name
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["first-group-direct", "first-group-pass"])
 @pytest.mark.parametrize(
     "residual,n_layer,join,calls_expected",
     [("attnres", 7, True, [(1, 12), (13, 3)]), ("delta", 7, True, [(1, 8), (9, 7)]), ("attnres", 6, True, [(1, 13)]),
      ("attnres", 6, False, [(1, 12), (13, 1)]), ("delta", 4, True, [(1, 9)]), ("delta", 4, False, [(1, 8), (9, 1)])],
 )
-def test_two_phase_full_routing_calls_route_sites_once_per_group(monkeypatch, residual, n_layer, join, calls_expected):
+def test_two_phase_full_routing_calls_route_sites_once_per_group(monkeypatch, residual, n_layer, join, calls_expected, direct):
     """Full routing's phase one runs once per group of sites: 12 in the replacement form
     (FULL_ROUTING_GROUP), 8 in the additive one (FULL_ROUTING_GROUP_ADDITIVE); the final site, where
     it would be alone (2L + 1 sites, 2L a multiple of the group), joins the group before it
-    (JOIN_FINAL_SITE, the default)."""
+    (JOIN_FINAL_SITE, the default). The replacement form's first group, whose pass would see the
+    embedding alone, is routed site by site (FIRST_GROUP_DIRECT, the default); the additive form
+    keeps that pass."""
     from lit_mhar import routing
 
-    assert routing.JOIN_FINAL_SITE
+    assert routing.JOIN_FINAL_SITE and routing.FIRST_GROUP_DIRECT
     monkeypatch.setattr(routing, "JOIN_FINAL_SITE", join)
+    monkeypatch.setattr(routing, "FIRST_GROUP_DIRECT", direct)
+    if direct and residual == "attnres":
+        calls_expected = calls_expected[1:]
     model = tiny_model(residual, 2, 1, n_layer=n_layer)  # 2L sublayers + final site
     calls = []
     original = routing.route_sites
