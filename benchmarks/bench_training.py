@@ -92,7 +92,8 @@ KNOBS = {
     "fwd1": {(TR, "FWD_SITES"): 1},  # one site per forward program
     "fwd4": {(TR, "FWD_SITES"): 4},
     "fwd8": {(TR, "FWD_SITES"): 8},
-    "rstd0": {(TR, "SAVE_RSTD"): False},  # the site loop's backward recomputes each source's key rstd
+    "rstd0": {(TR, "SAVE_RSTD"): False},
+    "merge-rstd0": {(TR, "SAVE_RSTD_MERGES"): False},  # the merges' backward reduces each source over the width again (before the twenty-fourth set)  # the site loop's backward recomputes each source's key rstd
     "stats2": {(TR, "STATS_SITES"): 2},  # two sites per program of the site loop's pass one
     "stats4": {(TR, "STATS_SITES"): 4},
     "bwd4096": {(TR, "TILE_ELEMENTS", "bwd"): 4096, (TR, "ELEMENTS_PER_THREAD", "bwd"): 16},  # the former two-pass tiles (replacement form; the additive form's kind is "bwd_add")
@@ -121,7 +122,8 @@ KNOBS = {
     "pf2-stats": {(TR, "PREFETCH", "bwd_stats"): 2},
     "src-rstd-all": {(TR, "SPLIT_SOURCES_RSTD_HEADS"): 1 << 30},  # pass two loads the saved key rstd at split widths whatever H
     "src-rstd0": {(TR, "SPLIT_SOURCES_RSTD_HEADS"): 0},  # pass two recomputes the key rstd at split widths
-    "first-group-pass": {("lit_mhar.routing", "FIRST_GROUP_DIRECT"): False},  # the first group's phase-one pass over the embedding alone (before the twenty-fourth set)
+    "first-group-pass": {("lit_mhar.routing", "FIRST_GROUP_DIRECT"): False},  # block routing's first block through a phase-one pass over the embedding alone (before the twenty-fourth set)
+    "first-group-direct-full": {("lit_mhar.routing", "FIRST_GROUP_DIRECT_FULL"): True},  # full routing's first group routed site by site too
     "unfused-norm": {("lit_mhar.routing", "FUSED_NORM"): False},  # the merge, then the RMSNorm module (two ops)
     "fused-norm-all": {("lit_mhar.routing", "FUSED_NORM_ADDITIVE_FULL"): True},  # Delta full routing fused too (the default now)
     "unfused-additive-full": {("lit_mhar.routing", "FUSED_NORM_ADDITIVE_FULL"): False},  # Delta full routing: merge, then the norm module

@@ -187,6 +187,10 @@ EAGER_FUNCTION = True
 # source, 7 -> 4 barriers per iteration at 350m shapes, by ptxas; in training at 350m on an H200
 # block MHAR 0.916 against 0.910 recomputing, full MHAR 0.677 against 0.660). A benchmark knob.
 SAVE_RSTD = True
+# ... and so does a merge (a prior or a fused norm: the two-pass backward, ``_route_bwd``), whose
+# backward otherwise reduces each source tile over the width in both of its passes. A benchmark
+# knob (``merge-rstd0``).
+SAVE_RSTD_MERGES = True
 # A merge fused with the next RMSNorm (replacement form, at least SAVE_ROUTED_MIN_SOURCES sources:
 # full routing's sites past a group's third; eager calls) writes its routed value r, the norm's
 # input, in SAVED_ROUTED_DTYPE as well as the norm's output, and saves r instead of the prior: its
@@ -498,12 +502,13 @@ def _route_bwd(
     prior_ptr, prior_lse_ptr,
     dsrc_base, dsrc_offs, acc_base, acc_offs, n_acc,
     dw_ptr, dgate_ptr, dprior_ptr, dprior_lse_ptr,
-    nw_ptr, dnw_ptr, stream_ptr, dstream_ptr, dstream_acc_ptr,
+    nw_ptr, dnw_ptr, stream_ptr, dstream_ptr, dstream_acc_ptr, rstd_ptr,
     M, eps, num_tiles, norm_eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, DT: tl.constexpr, PF: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_DLSE: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
     STREAM_ACC: tl.constexpr, REPLAY: tl.constexpr, REBUILD: tl.constexpr, SAVED_R: tl.constexpr, N_PRE: tl.constexpr,
+    HAS_RSTD: tl.constexpr,
 ):
     # Source i's gradient goes to dsrc_base + dsrc_offs[i]; with ACC, sources i < n_acc add to it
     # acc_base + acc_offs[i] (a gradient sink's sum so far, see _route_bwd_sources). With
@@ -522,6 +527,8 @@ def _route_bwd(
     # pass over the sources with scores (with REPLAY, one that only adds them to the stream), so
     # one pass writes the source gradients, and the prior's lse gradient p_alpha (<dr, o>_h - D)
     # is formed as D - sum_i alpha_i <dr, v_i>_h - p_alpha D after it.
+    # With HAS_RSTD each source's key rstd ([N, M] float32, the forward's, SAVE_RSTD_MERGES) is loaded
+    # in both passes instead of reducing each source tile over the width (across warps) again.
     # Every lane tensor has a twin ``*_t`` over each head's last DT channels when DT > 0 (see
     # _route_fwd); sums over a head add the two.
     pid = tl.program_id(0)
@@ -661,7 +668,8 @@ def _route_bwd(
                     v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & cmask, other=0.0)
                 else:
                     v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
-                sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+                if not HAS_RSTD:
+                    sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
                 sc = tl.reduce(w * v, 3, _ADD, keep_dims=True)
                 if not NORM:
                     a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
@@ -672,11 +680,15 @@ def _route_bwd(
                         v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & (h_i < H), other=0.0)
                     else:
                         v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
-                    sq += tl.reduce(tl.reduce(v_t * v_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+                    if not HAS_RSTD:
+                        sq += tl.reduce(tl.reduce(v_t * v_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
                     sc += tl.reduce(w_t * v_t, 3, _ADD, keep_dims=True)
                     if not NORM:
                         a += tl.reduce(dr_t * v_t, 3, _ADD, keep_dims=True)
-                rstd = 1.0 / tl.sqrt(sq / D + eps)
+                if HAS_RSTD:
+                    rstd = tl.load(rstd_ptr + tl.cast(i, tl.int64) * M + rows, mask=rows < M, other=1.0)  # [1, BM, 1, 1]
+                else:
+                    rstd = 1.0 / tl.sqrt(sq / D + eps)
                 alpha = tl.exp(sc * rstd - lse)
                 if not NORM:
                     dsum += alpha * a
@@ -798,7 +810,8 @@ def _route_bwd(
                 v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & cmask, other=0.0)
             else:
                 v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & cmask, other=0.0)
-            sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            if not HAS_RSTD:
+                sq = tl.reduce(tl.reduce(v * v, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
             sc = tl.reduce(w * v, 3, _ADD, keep_dims=True)
             a = tl.reduce(dr * v, 3, _ADD, keep_dims=True)
             if DT > 0:
@@ -808,10 +821,14 @@ def _route_bwd(
                     v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 2 < n_src, M, 0)) & (h_i < H), other=0.0)
                 else:
                     v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(i + 1 < n_src, M, 0)) & (h_i < H), other=0.0)
-                sq += tl.reduce(tl.reduce(v_t * v_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+                if not HAS_RSTD:
+                    sq += tl.reduce(tl.reduce(v_t * v_t, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
                 sc += tl.reduce(w_t * v_t, 3, _ADD, keep_dims=True)
                 a += tl.reduce(dr_t * v_t, 3, _ADD, keep_dims=True)
-            rstd = 1.0 / tl.sqrt(sq / D + eps)  # [1, BM, 1, 1]
+            if HAS_RSTD:
+                rstd = tl.load(rstd_ptr + tl.cast(i, tl.int64) * M + rows, mask=rows < M, other=1.0)  # [1, BM, 1, 1]
+            else:
+                rstd = 1.0 / tl.sqrt(sq / D + eps)  # [1, BM, 1, 1]
             s = sc * rstd  # [BS, BM, BH, 1]
             alpha = tl.where(shmask, tl.exp(s - lse), 0.0)
             ds = alpha * (a - dsum)
@@ -1913,10 +1930,12 @@ def _uses_site_loop(n_sites: int, n_src: int, has_prior: bool, norm: bool = Fals
 
 def _saves_rstd(sources: Sequence[Tensor], queries: Tensor, gains: Tensor, has_prior: bool, norm: bool = False) -> bool:
     """Whether the forward of such a pass writes each source's key rstd ``[N, tokens]`` for its
-    backward: ``SAVE_RSTD``, a backward that will run (gradients on) and runs the site loop."""
+    backward: a backward that will run (gradients on) and runs the site loop (``SAVE_RSTD``), or a
+    merge (a prior or a fused norm: the two-pass kernel, ``SAVE_RSTD_MERGES``)."""
+    site_loop = _uses_site_loop(queries.shape[0], len(sources), has_prior, norm)
     return (
-        SAVE_RSTD
-        and _uses_site_loop(queries.shape[0], len(sources), has_prior, norm)
+        len(sources) > 0
+        and ((SAVE_RSTD and site_loop) or (SAVE_RSTD_MERGES and not site_loop and (has_prior or norm)))
         and torch.is_grad_enabled()
         and any(t.requires_grad for t in (queries, gains, *sources))
     )
@@ -2020,6 +2039,11 @@ def _backward(
         raise ValueError("triton depth routing: rebuilding a block's running sum needs the fused norm's replayed stream")
     flags["SAVED_R"] = saved_routed
     flags["N_PRE"] = len(earlier)
+    has_rstd = rstd is not None and rstd.numel() > 0
+    if has_rstd and tuple(rstd.shape) != (n_src, M):
+        raise ValueError(f"triton depth routing: saved rstd has shape {tuple(rstd.shape)}, expected {(n_src, M)}")
+    flags["HAS_RSTD"] = has_rstd
+    rstd_arg = rstd.contiguous() if has_rstd else dummy
     if saved_routed and (norm_weight is None or prior_out is None or flags["REBUILD"]):
         raise ValueError("triton depth routing: a saved routed value stands for the prior of a fused norm's merge (not a rebuilt block's)")
 
@@ -2027,7 +2051,7 @@ def _backward(
         return (
             *head, dw, dgate, dprior if prior_out is not None else dummy, dprior_lse if prior_lse is not None else dummy,
             nw, dnw, _aligned(stream) if norm_stream else dummy, dstream if norm_stream else dummy, dstream_acc if norm_stream else dummy,
-            M, eps, num_tiles, float(norm_eps),
+            rstd_arg, M, eps, num_tiles, float(norm_eps),
         )
 
     # persistent programs: as many as the SMs hold at once (one wave), each over a fixed range of tiles

@@ -52,9 +52,16 @@ JOIN_FINAL_SITE_MAX_SITES = 16
 # replacement form fused with the next RMSNorm (:func:`lit_mhar.kernels.route_norm`). A softmax over
 # one source is 1, so that phase-one pass only writes a copy of the embedding for every site of the
 # group (and its backward reads them all back); each site instead reads the embedding itself, which
-# its merge would have read in place of the copy. The additive form (Delta AttnRes, whose stream
-# replay spans the group) keeps its pass. A benchmark knob (``first-group-pass``: False).
+# its merge would have read in place of the copy, and the first site's query and gain get their
+# exact gradient, 0, not the pass's rounding. The additive form (Delta AttnRes, whose stream replay
+# spans the group) keeps its pass. Measured on an H200 at 350m, bf16, H = 8, each training step
+# captured as a CUDA graph (BENCHMARKS.md, twenty-fourth set): block MHAR (8 blocks) 196.4 ms a step
+# against 196.5 with the pass, peak memory 42.12 against 42.57 GiB; full MHAR 224.3 against 222.6
+# ms (its merges of the first group then read one more source and write its gradient), 43.62
+# against 45.01 GiB. So block routing only, unless ``FIRST_GROUP_DIRECT_FULL``. Benchmark knobs
+# (``first-group-pass``, ``first-group-direct-full``).
 FIRST_GROUP_DIRECT = True
+FIRST_GROUP_DIRECT_FULL = False
 
 # Decoding with full routing: sites per phase-one group of a decode step (BENCHMARKS.md, fourth
 # set; a decode step has no backward, so the training's group sizes do not carry over; a prefill
@@ -134,9 +141,9 @@ class DepthHistory:
     sublayer outputs since the group started). A group is a block (Block AttnRes, S > 1) or
     ``FULL_ROUTING_GROUP`` consecutive sites (full routing, S = 1; ``FULL_ROUTING_GROUP_ADDITIVE``
     in the additive form, whose sites have a gate); the model's last site, where it would start a
-    group of its own, joins the group before it (``JOIN_FINAL_SITE``). A group that starts before
-    the first block completes, whose phase one would see the embedding alone, is routed site by
-    site instead in the replacement form (``FIRST_GROUP_DIRECT``). The result equals per-site
+    group of its own, joins the group before it (``JOIN_FINAL_SITE``). In block routing the first
+    block's sites, whose phase one would see the embedding alone, are routed site by site instead
+    in the replacement form (``FIRST_GROUP_DIRECT``). The result equals per-site
     routing over :meth:`sources` up to rounding (float64: to 1e-12).
 
     Args:
@@ -373,10 +380,11 @@ class DepthHistory:
 
     def _direct(self, site: "RoutingSite") -> bool:
         """Whether ``site``, the site about to run, is routed directly over :meth:`sources`, without
-        phase one (``FIRST_GROUP_DIRECT``): the replacement form, in a group that starts before the
-        first block completes, whose phase one would see the embedding alone."""
+        phase one (``FIRST_GROUP_DIRECT``; in full routing only with ``FIRST_GROUP_DIRECT_FULL``): the
+        replacement form, in a group that starts before the first block completes, whose phase one
+        would see the embedding alone."""
         return (
-            FIRST_GROUP_DIRECT and self.two_phase and site.gate is None
+            FIRST_GROUP_DIRECT and (self.block_size > 1 or FIRST_GROUP_DIRECT_FULL) and self.two_phase and site.gate is None
             and self._group_first(self.n_appended) < self.block_size
         )
 

@@ -964,7 +964,14 @@ def check_route_norm(n, heads, d, tokens, dtype, device=DEVICE, seed=0, sink=Fal
     for name, x, g_, r in zip(names, leaves, grads, ref_grads):
         assert g_.dtype == x.dtype, name
         if n == 1 and name in ("query", "gain"):  # a softmax over one source is 1: exact gradient 0
-            assert g_.abs().max() == 0, name
+            # the kernel's is float32 rounding: per token and head ds = alpha <dr, v>_h - <dr, r>_h,
+            # two sums of the head's k products dr * v (r = v, alpha = 1 up to rounding), within
+            # 16 k 2^-24 of the sum T of their magnitudes; dq = sum_tokens ds rstd v g (dg: q for g)
+            k, v64, dr = d // heads, leaves64[0].detach(), ref_grads[0]  # one source: its gradient is dr
+            t_sum = (dr * v64).abs().unflatten(-1, (heads, k)).sum(-1).repeat_interleave(k, -1)
+            per = (t_sum * torch.rsqrt(v64.pow(2).mean(-1, keepdim=True) + 1e-6) * v64.abs()).reshape(-1, d).sum(0)
+            bound = 16 * k * 2.0**-24 * per * (leaves64[n + 1] if name == "query" else leaves64[n]).detach().abs()
+            assert (g_.double().abs() <= bound).all(), (name, g_.abs().max().item(), bound.max().item())
             continue
         err = rel_err(g_, r)
         assert err < TOL[dtype], f"d{name}: relative error {err:.2e}"
@@ -2163,8 +2170,8 @@ def test_two_phase_model_calls_route_sites_once_per_block(monkeypatch, join, max
 
 @pytest.mark.parametrize("block_size,n_layer,direct_sites", [(3, 3, 3), (1, 7, 12), (1, 6, 13)], ids=["block-S3", "full-15-sources", "full-13-sites"])
 def test_first_group_routed_directly_gives_the_pass_and_merge_results(monkeypatch, block_size, n_layer, direct_sites):
-    """The first group's sites routed directly over their sources (route_norm, FIRST_GROUP_DIRECT)
-    give the loss and every parameter gradient of phase one over the embedding alone and the
+    """The first group's sites routed directly over their sources (route_norm, FIRST_GROUP_DIRECT;
+    FIRST_GROUP_DIRECT_FULL in full routing) give the loss and every parameter gradient of phase one over the embedding alone and the
     merges, up to float32 rounding: route_norm runs once per site of the group (the final site too
     where it joins it), and the other groups still run phase one and the merges."""
     from lit_mhar import routing
@@ -2174,6 +2181,7 @@ def test_first_group_routed_directly_gives_the_pass_and_merge_results(monkeypatc
     runs, direct_calls = {}, []
     original = routing.route_norm
     monkeypatch.setattr(routing, "route_norm", lambda srcs, *a, **kw: direct_calls.append(len(srcs)) or original(srcs, *a, **kw))
+    monkeypatch.setattr(routing, "FIRST_GROUP_DIRECT_FULL", True)  # (full routing's default: the pass)
     for direct in (False, True):
         monkeypatch.setattr(routing, "FIRST_GROUP_DIRECT", direct)
         runs[direct] = triton_loss_and_grads(model, idx)
@@ -2188,13 +2196,15 @@ def test_first_group_routed_directly_gives_the_pass_and_merge_results(monkeypatc
     assert grads_d.keys() == grads_p.keys()
     for name in grads_p:
         if name.startswith("blocks.0.attn_site."):  # the model's first site routes over the embedding alone:
-            assert grads_d[name].abs().max() == 0, name  # exact 0, where the pass gives its rounding (~1e-9)
+            # exact gradient 0; each path gives its float32 rounding (on the interpreter the direct one 0)
+            scale = grads_p[name.replace("attn_site", "mlp_site")].abs().max()
+            assert max(grads_d[name].abs().max(), grads_p[name].abs().max()) <= 1e-4 * scale, name
             continue
         scale = grads_p[name].abs().max()
         assert scale > 0 and (grads_d[name] - grads_p[name]).abs().max() <= 1e-5 * scale, name
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["first-group-direct", "first-group-pass"])
+@pytest.mark.parametrize("direct", [False, True], ids=["first-group-pass", "first-group-direct"])
 @pytest.mark.parametrize(
     "residual,n_layer,join,calls_expected",
     [("attnres", 7, True, [(1, 12), (13, 3)]), ("delta", 7, True, [(1, 8), (9, 7)]), ("attnres", 6, True, [(1, 13)]),
@@ -2204,14 +2214,14 @@ def test_two_phase_full_routing_calls_route_sites_once_per_group(monkeypatch, re
     """Full routing's phase one runs once per group of sites: 12 in the replacement form
     (FULL_ROUTING_GROUP), 8 in the additive one (FULL_ROUTING_GROUP_ADDITIVE); the final site, where
     it would be alone (2L + 1 sites, 2L a multiple of the group), joins the group before it
-    (JOIN_FINAL_SITE, the default). The replacement form's first group, whose pass would see the
-    embedding alone, is routed site by site (FIRST_GROUP_DIRECT, the default); the additive form
-    keeps that pass."""
+    (JOIN_FINAL_SITE, the default). With FIRST_GROUP_DIRECT_FULL (not the default) the replacement
+    form's first group, whose pass would see the embedding alone, is routed site by site; the
+    additive form keeps that pass."""
     from lit_mhar import routing
 
-    assert routing.JOIN_FINAL_SITE and routing.FIRST_GROUP_DIRECT
+    assert routing.JOIN_FINAL_SITE and routing.FIRST_GROUP_DIRECT and not routing.FIRST_GROUP_DIRECT_FULL
     monkeypatch.setattr(routing, "JOIN_FINAL_SITE", join)
-    monkeypatch.setattr(routing, "FIRST_GROUP_DIRECT", direct)
+    monkeypatch.setattr(routing, "FIRST_GROUP_DIRECT_FULL", direct)
     if direct and residual == "attnres":
         calls_expected = calls_expected[1:]
     model = tiny_model(residual, 2, 1, n_layer=n_layer)  # 2L sublayers + final site
