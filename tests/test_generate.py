@@ -137,9 +137,10 @@ def test_cached_decoding_on_the_fused_kernel_path(residual, block_size, monkeypa
     torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
     sites = 2 * 2 + 1
     # blocks of 2: groups {0, 1}, {2, 3, 4}, the last site joining the group before it (JOIN_FINAL_SITE);
-    # blocks of 4: {0, 1, 2, 3, 4}; full routing: one group of 5 (FULL_ROUTING_GROUP = 12)
-    assert routing.JOIN_FINAL_SITE and routing.FULL_ROUTING_GROUP == 12
-    groups = {2: 2, 4: 1, 1: 1}[block_size]
+    # blocks of 4: {0, 1, 2, 3, 4}; full routing: one group of 5 (FULL_ROUTING_GROUP = 12); block
+    # MHAR's first block is routed without phase one (FIRST_GROUP_DIRECT), Delta's keeps it
+    assert routing.JOIN_FINAL_SITE and routing.FULL_ROUTING_GROUP == 12 and routing.FIRST_GROUP_DIRECT
+    groups = {2: 2, 4: 1, 1: 1}[block_size] - (residual == "attnres" and block_size > 1)
     assert [s[1] for s in passes] == [3] * groups, "two-phase prefill: phase one once per block (group of sites)"
     # slots before the newest output, per site: the embedding, then one more per completed block
     expected = [1] + [1 + (l - 1) // block_size for l in range(1, sites)]

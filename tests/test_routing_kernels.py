@@ -1413,11 +1413,12 @@ def test_fused_norm_model_matches_unfused_and_saves_less(monkeypatch, residual, 
     model = tiny_model(residual, 4, block_size, n_layer=3)
     idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     results = {}
-    original = routing.merge_route_norm
+    original, original_direct = routing.merge_route_norm, routing.route_norm
     for fused in (False, True):
         monkeypatch.setattr(routing, "FUSED_NORM", fused)
         calls = []
-        monkeypatch.setattr(routing, "merge_route_norm", lambda *a, **k: calls.append(1) or original(*a, **k))
+        monkeypatch.setattr(routing, "merge_route_norm", lambda *a, **k: calls.append("merge") or original(*a, **k))
+        monkeypatch.setattr(routing, "route_norm", lambda *a, **k: calls.append("direct") or original_direct(*a, **k))
         model.zero_grad()
         saved = {}  # storage -> bytes: what autograd keeps alive, a tensor saved by several ops once
 
@@ -1429,7 +1430,9 @@ def test_fused_norm_model_matches_unfused_and_saves_less(monkeypatch, residual, 
         with use_backend("triton"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
         loss.backward()
-        assert len(calls) == (7 if fused else 0)  # every site (6 sublayers and the final one) when fused
+        # every site (6 sublayers and the final one) when fused; block MHAR's first block without phase one (FIRST_GROUP_DIRECT)
+        direct = 3 if residual == "attnres" else 0
+        assert calls == (["direct"] * direct + ["merge"] * (7 - direct) if fused else [])
         results[fused] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved.values())
     (loss0, grads0, bytes0), (loss1, grads1, bytes1) = results[False], results[True]
     torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
