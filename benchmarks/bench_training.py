@@ -93,7 +93,7 @@ KNOBS = {
     "fwd4": {(TR, "FWD_SITES"): 4},
     "fwd8": {(TR, "FWD_SITES"): 8},
     "rstd0": {(TR, "SAVE_RSTD"): False},
-    "merge-rstd0": {(TR, "SAVE_RSTD_MERGES"): False},  # the merges' backward reduces each source over the width again (before the twenty-fourth set)  # the site loop's backward recomputes each source's key rstd
+    "merge-rstd": {(TR, "SAVE_RSTD_MERGES"): True},  # the merges save each source's key rstd for their backward (not the default: not yet measured)  # the site loop's backward recomputes each source's key rstd
     "stats2": {(TR, "STATS_SITES"): 2},  # two sites per program of the site loop's pass one
     "stats4": {(TR, "STATS_SITES"): 4},
     "bwd4096": {(TR, "TILE_ELEMENTS", "bwd"): 4096, (TR, "ELEMENTS_PER_THREAD", "bwd"): 16},  # the former two-pass tiles (replacement form; the additive form's kind is "bwd_add")

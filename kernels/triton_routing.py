@@ -187,10 +187,11 @@ EAGER_FUNCTION = True
 # source, 7 -> 4 barriers per iteration at 350m shapes, by ptxas; in training at 350m on an H200
 # block MHAR 0.916 against 0.910 recomputing, full MHAR 0.677 against 0.660). A benchmark knob.
 SAVE_RSTD = True
-# ... and so does a merge (a prior or a fused norm: the two-pass backward, ``_route_bwd``), whose
-# backward otherwise reduces each source tile over the width in both of its passes. A benchmark
-# knob (``merge-rstd0``).
-SAVE_RSTD_MERGES = True
+# ... and, with SAVE_RSTD_MERGES, so does a merge (a prior or a fused norm: the two-pass backward,
+# ``_route_bwd``), whose backward otherwise reduces each source tile over the width in both of its
+# passes. Off by default: checked against float64 in the interpreter only, not yet run or timed on
+# a GPU (BENCHMARKS.md, twenty-fourth set). A benchmark knob (``merge-rstd``).
+SAVE_RSTD_MERGES = False
 # A merge fused with the next RMSNorm (replacement form, at least SAVE_ROUTED_MIN_SOURCES sources:
 # full routing's sites past a group's third; eager calls) writes its routed value r, the norm's
 # input, in SAVED_ROUTED_DTYPE as well as the norm's output, and saves r instead of the prior: its

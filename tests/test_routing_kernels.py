@@ -1009,6 +1009,23 @@ def test_route_norm_matches_float64_reference_full_grid(n, heads, d, tokens, dty
     check_route_norm(n, heads, d, tokens, dtype, sink=sink)
 
 
+@pytest.mark.parametrize("case", [(1, 2, 96, 37, torch.bfloat16, False), (3, 8, 160, 70, torch.float32, False), (2, 8, 160, 37, torch.bfloat16, True)],
+                         ids=["N1-H2-d96-bf16", "N3-H8-d160-fp32", "N2-H8-d160-bf16-additive"])
+def test_merges_with_saved_key_rstd_match_float64_reference(monkeypatch, case):
+    """With SAVE_RSTD_MERGES the merges' forward saves each source's key rstd and the two-pass
+    backward loads it (HAS_RSTD): output and every gradient still match float64, for merges with a
+    prior (both forms) and for route_norm; and the backward is asked for the saved rstd."""
+    monkeypatch.setattr(tr, "SAVE_RSTD_MERGES", True)
+    seen = []
+    original = tr._backward
+    monkeypatch.setattr(tr, "_backward", lambda *a, **k: seen.append(a[11] is not None and a[11].numel() > 0) or original(*a, **k))
+    check_merge_route_norm(*case)
+    n, heads, d, tokens, dtype, additive = case
+    if not additive:
+        check_route_norm(n, heads, d, tokens, dtype, sink=True)
+    assert seen and all(seen), seen
+
+
 def test_route_norm_refuses_bad_input_before_any_work():
     """route_norm's errors name the bad argument, on either path, before a kernel runs."""
     x = [torch.randn(4, 8)]
