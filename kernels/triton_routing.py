@@ -2714,8 +2714,6 @@ def merge_route_norm(
     )[0]
 
 
-
-
 def route_norm(
     sources: Sequence[Tensor],
     query: Tensor,
