@@ -189,8 +189,9 @@ EAGER_FUNCTION = True
 SAVE_RSTD = True
 # ... and, with SAVE_RSTD_MERGES, so does a merge (a prior or a fused norm: the two-pass backward,
 # ``_route_bwd``), whose backward otherwise reduces each source tile over the width in both of its
-# passes. Off by default: checked against float64 in the interpreter only, not yet run or timed on
-# a GPU (BENCHMARKS.md, twenty-fourth set). A benchmark knob (``merge-rstd``).
+# passes. Off by default: on an H200 at 350m it measured no gain (block MHAR 0.935 against 0.931,
+# full MHAR 0.818 against 0.823, one run; BENCHMARKS.md, twenty-fourth set). A benchmark knob
+# (``merge-rstd``).
 SAVE_RSTD_MERGES = False
 # A merge fused with the next RMSNorm (replacement form, at least SAVE_ROUTED_MIN_SOURCES sources:
 # full routing's sites past a group's third; eager calls) writes its routed value r, the norm's
