@@ -108,6 +108,9 @@ KNOBS = {
     "vector-at-64": {(TR, "DOT_MANY_SITES_MIN_HEAD_WIDTH"): 128},  # the site loop on the vector kernels at head width 64 (100m) whatever the sites (before the eighteenth set)
     "dots-at-64": {(TR, "DOT_MIN_HEAD_WIDTH"): 64},  # the site loop (both passes since the eleventh set) on tensor cores at head width 64 too (100m), whatever the sites (the package: passes of DOT_MANY_SITES sites or more)
     "dot-sources": {(TR, "DOT_SOURCES"): True},  # pass two on tensor cores too: the default since the eleventh set (BENCHMARKS.md)
+    "fwd-block-diag": {(TR, "DOT_FWD_MIX"): False},  # phase one's forward as block-diagonal products of (token, site) and (token, source) rows (before the twenty-fifth set)
+    **{f"mix-rows-{n}": {(TR, "DOT_MIX_ROWS"): n} for n in (16, 64, 128)},  # the mixed forward's (token, source) rows per tile (the package: 32)
+    **{f"mix-w{n}": {(TR, "DOT_MIX_WARPS"): n} for n in (2, 8)},  # ... its warps (the package: 4)
     "vector-fwd": {(TR, "DOT_FWD"): False},  # phase one's forward on the vector kernel, not tensor cores
     "fwd-at-64": {(TR, "DOT_FWD_MIN_HEAD_WIDTH"): 64},  # phase one's forward on tensor cores at head width 64 too (100m)
     "vector-sources": {(TR, "DOT_SOURCES"): False},  # pass two of the site loop on the vector kernel (pass one on tensor cores)

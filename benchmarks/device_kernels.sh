@@ -28,7 +28,7 @@ if [[ " $STEPS " == *" tests "* ]]; then
 fi
 if [[ " $STEPS " == *" ncu "* ]]; then
   (cd "$R/benchmarks" && timeout ${NCU_TIMEOUT:-240} ncu -k regex:"_route|_decode" --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats --csv --page details \
+    --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats --csv --page details \
     python3 ncu_kernels.py --scale 350m > "$OUT/ncu.csv" 2> "$OUT/ncu.err")
   echo "ncu exit $? at $SECONDS s"; tail -n 3 "$OUT/ncu.err"; wc -l "$OUT/ncu.csv"
 fi

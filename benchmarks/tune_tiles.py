@@ -18,7 +18,8 @@ loop on tensor cores against the vector kernel, by warps and elements per tile,
 tiles of up to 128 sources, (``--shapes min-sources``) passes over 1 to 4 sources on either, and (``--shapes saved-r``) the fused-norm merge of 1 to 7 sources with
 its backward in two passes against one pass on the routed value r saved in float32 or bf16, and
 (``--shapes padded-sites``) the vector forward of passes whose site count ``FWD_SITES`` does not
-divide, in groups that divide it against padded groups and the tensor-core forward.
+divide, in groups that divide it against padded groups and the tensor-core forward, and (``--shapes
+mix``) phase one's forward on the block-diagonal tensor-core kernel against the mixed one by tile.
 
     python benchmarks/tune_tiles.py --scale 350m --out OUT    # writes OUT/tune_tiles.csv
 """
@@ -179,7 +180,7 @@ def main(argv=None):
     ap.add_argument("--scale", choices=list(SCALES), default="350m")
     ap.add_argument("--out", required=True, help="folder of tune_tiles.csv (rows are appended)")
     ap.add_argument("--shapes", default="phase1,full,one-site", help="comma-separated: which shape families to run "
-                    "(phase1, full, op: one site over 9 and 2L+1 sources at H = 1, merge, dots, passes, dot-tune, wide, min-sources, saved-r, one-site, padded-sites)")
+                    "(phase1, full, op: one site over 9 and 2L+1 sources at H = 1, merge, dots, passes, dot-tune, wide, min-sources, saved-r, one-site, padded-sites, mix)")
     ap.add_argument("--kinds", default="", help="comma-separated launch kinds to vary (fwd, bwd_stats, bwd_sources, merge_fwd, bwd, "
                     "bwd_add: the additive merge's backward); default all")
     args = ap.parse_args(argv)
@@ -326,6 +327,28 @@ def main(argv=None):
                 continue
             settings = [("vector", dict(DOT_MIN_SOURCES=n + 1)), ("dots", dict(DOT_MIN_SOURCES=1))]
             time_pass_settings(emit, f"min-sources-N{n}-S{sites}-H8", make(M, d, n, sites, 8, seed=n), settings)
+
+        # "mix": phase one's forward alone, H = 8: block routing's passes (S sites over 3, 5 and 8
+        # sources) and full routing's groups of 12 sites (13, 25 and 37 sources, L = 24) on the
+        # block-diagonal tensor-core kernel against the mixed one (DOT_FWD_MIX) by (token, source)
+        # rows per tile and warps; each checked against the first setting's outputs
+        if "mix" in families:
+            mix_settings = [("block-diag", dict(DOT_FWD_MIX=False))] + [
+                (f"mix-rows{rows}-w{warps}", dict(DOT_FWD_MIX=True, DOT_MIX_ROWS=rows, DOT_MIX_WARPS=warps))
+                for rows, warps in ((32, 4), (16, 4), (64, 4), (32, 2), (32, 8), (64, 8), (128, 8))
+            ]
+            for n, sites in ((3, S), (5, S), (8, S), (13, 12), (25, 12), (37, 12)):
+                data = make(M, d, n, sites, 8, seed=n)
+                with kernel_settings(mix_settings[0][1]):
+                    fwd, _ = runner(*data, 8)
+                    ref_out = [o.detach().clone() for o in fwd()[0]]
+                bench = lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median")  # noqa: E731
+                for label, values in mix_settings:
+                    with kernel_settings(values):
+                        row = dict(shape=f"mix-N{n}-S{sites}-H8", kind="fwd", elements=label, warps=values.get("DOT_MIX_WARPS", "default"))
+                        emit(check_and_time(row, lambda: lambda: fwd()[0], ref_out, bench))
+                del data, fwd, ref_out
+                torch.cuda.empty_cache()
 
         # "padded-sites": phase-one passes whose site count FWD_SITES does not divide, H = 8: L + 1
         # sites over L + 1 sources (at 100m full MHAR's second group of 12, joined by the final

@@ -334,6 +334,17 @@ DOT_SOURCES = True
 # Benchmark knobs (``vector-fwd``, ``fwd-at-64``).
 DOT_FWD = True
 DOT_FWD_MIN_HEAD_WIDTH = 128
+# ... with the weighted sum on the vector units (``_route_fwd_sites_mix``) where a head's width is one
+# power-of-two tile (350m's 128; 1b's 160 keeps ``_route_fwd_sites_dot``): the scores W V^T as one
+# dense product per tile (the weights not repeated per token: the block-diagonal products waste
+# BM - 1 of every BM), then out = sum_i alpha_i v_i source by source in float32. Phase one's
+# forward kernels were bound by latency, not by bytes or tensor cores (Nsight Compute, 350m, 6
+# sites over 8 sources: 2 warps a program, 255 registers a thread and spilling, 12.5% occupancy,
+# issue slots 29% busy, DRAM 26% of its peak; BENCHMARKS.md, twenty-fifth set). Its tiles: DOT_MIX_ROWS (token,
+# source) rows, DOT_MIX_WARPS warps. Benchmark knobs (``fwd-block-diag``, ``mix-rows-<n>``, ``mix-w<n>``).
+DOT_FWD_MIX = True
+DOT_MIX_ROWS = 32
+DOT_MIX_WARPS = 4
 # Sites a pass needs for its forward to run there: phase-one passes (one site over many sources
 # keeps the vector forward; not measured there).
 DOT_FWD_MIN_SITES = 2
@@ -1014,6 +1025,87 @@ def _route_bwd_stats(
             tl.store(dgate_ptr + tl.cast(pid, tl.int64) * D + col_t, dgate_acc_t, mask=h_i < H)
 
 
+def _route_fwd_sites_mix(
+    src_base, src_offs, n_src, w_ptr, wlo_ptr, n_sites, out_base, out_offs, lse_ptr, rstd_ptr, M, eps, num_tiles, progs,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, BSO: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+    ALIGN: tl.constexpr, STORE_RSTD: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # What ``_route_fwd_sites_dot`` computes (DOT_FWD_MIX, a head width that is one power-of-two tile): the
+    # scores on tensor cores without repeating the weights per token, the weighted sum on the vector
+    # units. Per tile of BM tokens, after the key rstd (each (token, source) row's squares summed
+    # over the width), per head h:
+    #   sc = rstd * W V^T                          [BS, BM*BN]: W [BS, DH] (sites padded to BS >= 16
+    #                                              rows, bf16x2 split), V [BM*BN, DH] rows (token, source)
+    #   alpha = softmax over each token's BN columns  [BS, BM, BN], the padding sites zeroed, then
+    #                                              folded to BSO = pow2(sites) rows and laid out [BM, BSO, BN]
+    #   out[t, s] = sum_i alpha[t, s, i] v_i[t]    [BM, BSO, DH] float32, source by source
+    # Every product of the score dot is used (the block-diagonal form wastes BM - 1 of every BM), the
+    # weighted sum is exact float32 (no bf16x2 split of alpha) and mixes no tokens, so a non-finite
+    # value stays in its token's outputs without masking. Each source tile is read three times per
+    # tile (the rstd, the score dot, the weighted sum): once from memory, then mostly from cache.
+    pid = tl.program_id(0)
+    q = tl.arange(0, BM * BN)  # rows (token, source) of the score dot
+    j_q = q % BN
+    m_q = q // BN
+    jmask = j_q < n_src
+    c = tl.arange(0, DH)
+    s_w = tl.arange(0, BS)
+    wmask = s_w[:, None] < n_sites
+    off = tl.multiple_of(tl.load(src_offs + j_q, mask=jmask, other=0), ALIGN)[:, None]  # [BM*BN, 1]
+    m_1 = tl.arange(0, BM)
+    s_o = tl.arange(0, BSO)[None, :, None]  # [1, BSO, 1]
+    o_off = tl.load(out_offs + s_o, mask=s_o < n_sites, other=0)  # [1, BSO, 1]
+    j3 = tl.arange(0, BN)[None, None, :]  # [1, 1, BN]
+    for tile in range(pid, num_tiles, progs):
+        rows_q = tl.cast(tile, tl.int64) * BM + m_q
+        qmask = jmask & (rows_q < M)
+        rows_1 = tl.cast(tile, tl.int64) * BM + m_1  # [BM]
+        tmask = rows_1 < M
+        sq = tl.full([BM * BN], 0.0, tl.float32)
+        for h in range(H):
+            v = tl.load(src_base + off + rows_q[:, None] * D + h * DH + c[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
+            sq += tl.reduce(v * v, 1, _ADD)
+        rstd = 1.0 / tl.sqrt(sq / D + eps)  # [BM*BN]
+        if STORE_RSTD:  # [N, M] float32 for the site loop's backward
+            tl.store(rstd_ptr + j_q.to(tl.int64) * M + rows_q, rstd, mask=qmask)
+        rstd3 = tl.reshape(rstd, [BM, BN])[None, :, :]  # [1, BM, BN]
+        live = (j3 < n_src) & tmask[None, :, None]  # [1, BM, BN]
+        for h in range(H):
+            col = h * DH + c  # [DH]
+            w = tl.load(w_ptr + s_w[:, None] * D + col[None, :], mask=wmask, other=0.0)  # [BS, DH] bf16: W's hi half
+            w_lo = tl.load(wlo_ptr + s_w[:, None] * D + col[None, :], mask=wmask, other=0.0)
+            v = tl.load(src_base + off + rows_q[:, None] * D + col[None, :], mask=qmask[:, None], other=0.0)  # [BM*BN, DH]
+            if DOT_F32:
+                w = w.to(tl.float32)
+                w_lo = w_lo.to(tl.float32)
+                v = v.to(tl.float32)
+            vt = tl.trans(v)
+            if DOT_F32:
+                sc = tl.dot(w, vt, input_precision="ieee")
+                sc = tl.dot(w_lo, vt, sc, input_precision="ieee")
+            else:
+                sc = tl.dot(w, vt)
+                sc = tl.dot(w_lo, vt, sc)
+            sc3 = tl.reshape(sc, [BS, BM, BN]) * rstd3
+            mx = tl.reduce(tl.where(live, sc3, float("-inf")), 2, _MAX)  # [BS, BM]
+            p = tl.where(live, tl.exp(sc3 - mx[:, :, None]), 0.0)
+            l = tl.reduce(p, 2, _ADD)  # [BS, BM]
+            tl.store(lse_ptr + (s_w[:, None].to(tl.int64) * M + rows_1[None, :]) * H + h, mx + tl.log(tl.where(l > 0, l, 1.0)),
+                     mask=(s_w[:, None] < n_sites) & tmask[None, :])
+            alpha = tl.where(s_w[:, None, None] < n_sites, p / tl.where(l > 0, l, 1.0)[:, :, None], 0.0)  # [BS, BM, BN]
+            if BS > BSO:  # the padding rows are zero: fold them away
+                alpha = tl.reduce(tl.reshape(alpha, [BS // BSO, BSO, BM, BN]), 0, _ADD)
+            alpha = tl.permute(alpha, (1, 0, 2))  # [BM, BSO, BN]
+            acc = tl.full([BM, BSO, DH], 0.0, tl.float32)
+            for i in range(n_src):
+                a_i = tl.reduce(tl.where(j3 == i, alpha, 0.0), 2, _ADD)  # [BM, BSO]
+                i_off = tl.multiple_of(tl.load(src_offs + i), ALIGN)
+                v_i = tl.load(src_base + i_off + rows_1[:, None] * D + col[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)  # [BM, DH]
+                acc += a_i[:, :, None] * v_i[:, None, :]
+            tl.store(out_base + o_off + rows_1[:, None, None] * D + col[None, None, :], acc.to(out_base.dtype.element_ty),
+                     mask=(s_o < n_sites) & tmask[:, None, None])
+
+
 def _route_fwd_sites_dot(
     src_base, src_offs, n_src,
     w_ptr, wlo_ptr, n_sites,
@@ -1673,7 +1765,7 @@ def _kernel(name: str, interpret: bool):
     """
     fn = {
         "fwd": _route_fwd, "bwd": _route_bwd, "bwd_stats": _route_bwd_stats, "bwd_sources": _route_bwd_sources,
-        "fwd_sites_dot": _route_fwd_sites_dot, "bwd_stats_dot": _route_bwd_stats_dot, "bwd_sources_dot": _route_bwd_sources_dot,
+        "fwd_sites_dot": _route_fwd_sites_dot, "fwd_sites_mix": _route_fwd_sites_mix, "bwd_stats_dot": _route_bwd_stats_dot, "bwd_sources_dot": _route_bwd_sources_dot,
         "decode": _decode_route_norm,
     }[name]
     if interpret:
@@ -1697,7 +1789,7 @@ _RESIDENT_FALLBACKS: dict = {}  # configurations whose registers could not be re
 # routing's 8-site passes 1.6x slower (52.5 against 33.1 ms per step), so it stays off for that
 # kernel. The tensor-core kernels of the site loop take one wave too (their programs stride over
 # the token tiles; not compared with other grids). A benchmark knob.
-OCCUPANCY_GRIDS = frozenset({"bwd", "fwd_sites_dot", "bwd_stats_dot", "bwd_sources_dot"})
+OCCUPANCY_GRIDS = frozenset({"bwd", "fwd_sites_dot", "fwd_sites_mix", "bwd_stats_dot", "bwd_sources_dot"})
 
 
 def _resident_programs(name: str, device: torch.device, args: tuple, kwargs: dict) -> int:
@@ -1876,18 +1968,31 @@ def _forward(
     dummy = w
     if _fwd_on_dots(n_sites, n_src, d, heads, stream, prior_out, store_scores, norm_weight, like.dtype):
         # phase one on tensor cores: program p takes every progs-th tile of tokens, all heads
-        bs_dot, bn_dot, bm_dot = _dot_tile(n_sites, n_src, d // heads)
         w_hi = w.to(torch.bfloat16)
         w_lo = (w - w_hi.float()).to(torch.bfloat16)
-        tiles = _cdiv(M, bm_dot)
         dhp, dt_dot = _dot_lanes(d // heads)
+        src_offs, out_offs = _offsets(srcs, base), _offsets(outs, outs[0])
+        if DOT_FWD_MIX and dt_dot == 0 and dhp == d // heads:
+            bs_mix, bso_mix, bn_mix, bm_mix = _mix_tile(n_sites, n_src)
+            tiles = _cdiv(M, bm_mix)
+            mix_flags = dict(
+                D=d, H=heads, DH=d // heads, BS=bs_mix, BSO=bso_mix, BN=bn_mix, BM=bm_mix, ALIGN=16 // base.element_size(),
+                STORE_RSTD=store_rstd, DOT_F32=interpret, num_warps=WARPS.get("fwd_sites_mix", DOT_MIX_WARPS),
+            )
+
+            def mix_args(progs: int) -> tuple:
+                return (base, src_offs, n_src, w_hi, w_lo, n_sites, outs[0], out_offs, lse, rstd if store_rstd else dummy, M, eps, tiles, progs)
+
+            progs = _dot_programs("fwd_sites_mix", like.device, tiles, 1, mix_args, mix_flags)
+            _kernel("fwd_sites_mix", interpret)[(progs,)](*mix_args(progs), **mix_flags)
+            return [*outs, lse, scores, rstd]
+        bs_dot, bn_dot, bm_dot = _dot_tile(n_sites, n_src, d // heads)
+        tiles = _cdiv(M, bm_dot)
         flags = dict(
             D=d, H=heads, DH=d // heads, DHP=dhp, DT=dt_dot, BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(),
             STORE_RSTD=store_rstd, DOT_F32=interpret, **_dot_launch("fwd_sites_dot", bm_dot, bn_dot),
         )
-
-        src_offs, out_offs = _offsets(srcs, base), _offsets(outs, outs[0])
 
         def args(progs: int) -> tuple:
             return (base, src_offs, n_src, w_hi, w_lo, n_sites, outs[0], out_offs, lse, rstd if store_rstd else dummy, M, eps, tiles, progs)
@@ -2176,6 +2281,15 @@ def _dot_tile(n_sites: int, n_src: int, head_width: int) -> tuple[int, int, int]
     rows = min(DOT_TILE_ELEMENTS // _dot_width(head_width), DOT_MAX_ROWS)
     bm = max(1, rows // max(bs, bn))
     return max(bs, 16 // bm), max(bn, 16 // bm), bm
+
+
+def _mix_tile(n_sites: int, n_src: int) -> tuple[int, int, int, int]:
+    """(BS, BSO, BN, BM) of ``_route_fwd_sites_mix``'s tiles: the score dot's weight rows (sites
+    padded to a power of two, at least 16, the smallest ``tl.dot`` operand), the output's sites (a
+    power of two), the sources (a power of two) and the tokens, ``DOT_MIX_ROWS`` (token, source) rows
+    a tile and at least 16."""
+    bso, bn = _pow2(n_sites), _pow2(n_src)
+    return max(16, bso), bso, bn, max(1, DOT_MIX_ROWS // bn, 16 // bn)
 
 
 def _backward_site_loop(

@@ -619,16 +619,27 @@ def test_pass_two_on_tensor_cores_adds_into_the_gradient_sink(monkeypatch):
 DOT_FWD_CASES = [(*c, 1.0) for c in DOT_CPU if c[1] >= 2] + [(9, 8, 8, 256, 19, torch.bfloat16, 30.0), (17, 3, 1, 160, 11, torch.bfloat16, 30.0)]
 
 
+def fwd_dot_kernel(d: int, heads: int) -> str:
+    """The tensor-core forward kernel a phase-one pass at width ``d`` over ``heads`` heads launches:
+    ``fwd_sites_mix`` (DOT_FWD_MIX) where a head's width is one power-of-two tile, else
+    ``fwd_sites_dot``."""
+    dhp, dt = tr._dot_lanes(d // heads)
+    return "fwd_sites_mix" if tr.DOT_FWD_MIX and dt == 0 and dhp == d // heads else "fwd_sites_dot"
+
+
+@pytest.mark.parametrize("mix", [True, False], ids=["mix", "block-diagonal"])
 @pytest.mark.parametrize(
     "n,sites,heads,d,tokens,dtype,spread", DOT_FWD_CASES,
     ids=[f"N{c[0]}-S{c[1]}-H{c[2]}-d{c[3]}-T{c[4]}-x{c[6]:g}" for c in DOT_FWD_CASES],
 )
-def test_phase_one_forward_on_tensor_cores_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype, spread):
-    """Phase one's forward on tensor cores (``_route_fwd_sites_dot``): the kernel ran; every site's
+def test_phase_one_forward_on_tensor_cores_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype, spread, mix):
+    """Phase one's forward on tensor cores (``_route_fwd_sites_dot``, and with ``mix``
+    ``_route_fwd_sites_mix`` where the head width is one power-of-two tile): the kernel ran; every site's
     output, the lse and the saved key rstd against float64 (the outputs within the bf16 tolerance,
     lse and rstd as float32 values, up to the bf16x2 split of the weights); the outputs within
     rounding of the vector kernel's and as close to float64; queries at ``spread`` times the usual
     scale too."""
+    monkeypatch.setattr(tr, "DOT_FWD_MIX", mix)
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the tensor-core kernels over one and two sources too (not in training)
@@ -644,8 +655,8 @@ def test_phase_one_forward_on_tensor_cores_matches_float64_reference(monkeypatch
         monkeypatch.setattr(tr, "DOT_FWD", on_dots)
         launched.clear()
         runs[on_dots] = tr._forward(srcs, queries, gains, heads, 1e-6, None, None, None, None, False, save_rstd=True)
-        assert ("fwd_sites_dot" in launched) == on_dots and ("fwd" in launched) != on_dots, launched
-        if on_dots and n > tr.DOT_WIDE_SOURCES:  # a one-token tile of more than 64 sources: its own warps
+        assert (fwd_dot_kernel(d, heads) in launched) == on_dots and ("fwd" in launched) != on_dots, launched
+        if on_dots and n > tr.DOT_WIDE_SOURCES and fwd_dot_kernel(d, heads) == "fwd_sites_dot":  # a one-token tile of more than 64 sources: its own warps
             assert launched.warps == [tr.DOT_WARPS_ONE_TOKEN_WIDE] != [tr.DOT_WARPS_ONE_TOKEN["fwd_sites_dot"]], launched.warps
     got = runs[True]
     ref_outs, ref_lse = reference.route_sites([x.double() for x in srcs], queries.double(), gains.double(), heads)
@@ -663,11 +674,13 @@ def test_phase_one_forward_on_tensor_cores_matches_float64_reference(monkeypatch
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy, computing with the inf
+@pytest.mark.parametrize("mix", [True, False], ids=["mix", "block-diagonal"])
 @pytest.mark.parametrize("d,column", [(32, 3), (96, 40)], ids=["width16", "width48-two-tiles-inf-in-the-second"])
-def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token(monkeypatch, d, column):
+def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token(monkeypatch, d, column, mix):
     """An inf in one token of one source makes that token's outputs non-finite, as on the vector
     kernel, and leaves the other tokens of its tile finite and equal to a run without the inf; at
-    head width 48 (two column tiles) with the inf in the second."""
+    head width 48 (two column tiles) with the inf in the second; on either forward kernel."""
+    monkeypatch.setattr(tr, "DOT_FWD_MIX", mix)
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "POISON_OUTPUTS", False)
@@ -680,7 +693,8 @@ def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token
     outs = tr._forward(srcs, queries, gains, 2, 1e-6, None, None, None, None, False)
     dhp, dt = tr._dot_lanes(d // 2)
     assert dt == 0 if d == 32 else (dt > 0 and column % (d // 2) >= dhp)  # at width 48, a column of the second tile
-    assert "fwd_sites_dot" in launched and tr._dot_tile(2, 3, d // 2)[2] > 5  # several tokens per tile
+    tokens_per_tile = tr._mix_tile(2, 3)[3] if fwd_dot_kernel(d, 2) == "fwd_sites_mix" else tr._dot_tile(2, 3, d // 2)[2]
+    assert fwd_dot_kernel(d, 2) in launched and tokens_per_tile > 5  # several tokens per tile
     for k in range(2):
         assert not torch.isfinite(outs[k][5]).all()
         others = torch.cat([outs[k][:5], outs[k][6:]])
@@ -703,7 +717,7 @@ def test_phase_one_over_fewer_than_three_sources_launches_the_vector_kernels(mon
         outs, lse = tr.route_sites(srcs, queries, gains, 2)
         torch.autograd.grad([*outs, lse], [*srcs, queries, gains], [torch.ones_like(o) for o in outs] + [torch.ones_like(lse)])
     dots = n >= tr.DOT_MIN_SOURCES
-    assert ("fwd_sites_dot" in launched) == dots and ("fwd" in launched) != dots, launched
+    assert (fwd_dot_kernel(32, 2) in launched) == dots and ("fwd" in launched) != dots, launched
     assert ("bwd_stats_dot" in launched) == dots and ("bwd_stats" in launched) != dots, launched
 
 
