@@ -334,7 +334,7 @@ def main(argv=None):
         # rows per tile and warps; each checked against the first setting's outputs
         if "mix" in families:
             mix_settings = [("block-diag", dict(DOT_FWD_MIX=False))] + [
-                (f"mix-rows{rows}-w{warps}", dict(DOT_FWD_MIX=True, DOT_MIX_ROWS=rows, DOT_MIX_WARPS=warps))
+                (f"mix-rows{rows}-w{warps}", dict(DOT_FWD_MIX=True, DOT_MIX_ROWS=rows, DOT_MIX_WARPS=warps, DOT_MIX_MAX_SOURCES=1 << 30))
                 for rows, warps in ((32, 4), (16, 4), (64, 4), (32, 2), (32, 8), (64, 8), (128, 8))
             ]
             for n, sites in ((3, S), (5, S), (8, S), (13, 12), (25, 12), (37, 12)):

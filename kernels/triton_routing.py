@@ -334,15 +334,22 @@ DOT_SOURCES = True
 # Benchmark knobs (``vector-fwd``, ``fwd-at-64``).
 DOT_FWD = True
 DOT_FWD_MIN_HEAD_WIDTH = 128
-# ... with the weighted sum on the vector units (``_route_fwd_sites_mix``) where a head's width is one
-# power-of-two tile (350m's 128; 1b's 160 keeps ``_route_fwd_sites_dot``): the scores W V^T as one
-# dense product per tile (the weights not repeated per token: the block-diagonal products waste
-# BM - 1 of every BM), then out = sum_i alpha_i v_i source by source in float32. Phase one's
-# forward kernels were bound by latency, not by bytes or tensor cores (Nsight Compute, 350m, 6
-# sites over 8 sources: 2 warps a program, 255 registers a thread and spilling, 12.5% occupancy,
-# issue slots 29% busy, DRAM 26% of its peak; BENCHMARKS.md, twenty-fifth set). Its tiles: DOT_MIX_ROWS (token,
-# source) rows, DOT_MIX_WARPS warps. Benchmark knobs (``fwd-block-diag``, ``mix-rows-<n>``, ``mix-w<n>``).
+# ... with the weighted sum on the vector units (``_route_fwd_sites_mix``) for passes over at most
+# DOT_MIX_MAX_SOURCES sources where a head's width is one power-of-two tile (350m's 128; 1b's 160
+# keeps ``_route_fwd_sites_dot``): the scores W V^T as one dense product per tile (the weights not
+# repeated per token: the block-diagonal products waste BM - 1 of every BM), then
+# out = sum_i alpha_i v_i source by source in float32. Phase one's forward kernel was bound by
+# latency, not by bytes or tensor cores (Nsight Compute, 350m, 6 sites over 8 sources: 2 warps a
+# program, 255 registers a thread and spilling, 12.5% occupancy, issue slots 29% busy, DRAM 26% of
+# its peak). Measured on an H200 (``tune_tiles.py --shapes mix``, 350m, H = 8, bf16, forward ms;
+# BENCHMARKS.md, twenty-fifth set): block routing's 6 sites over 3 / 5 / 8 sources 0.429 / 0.643 /
+# 0.807 against 0.498 / 0.774 / 0.809; full routing's 12 sites over 13 / 25 / 37 sources 2.5-3.5 /
+# 5.7-6.7 / 9.7-13.4 against 1.57 / 1.86 / 3.03 (the source loop's cost grows with the sites), hence
+# the cap. Its tiles: DOT_MIX_ROWS (token, source) rows, DOT_MIX_WARPS warps (the best of 16-128
+# rows and 2-8 warps at every block-routing shape). Benchmark knobs (``fwd-block-diag``,
+# ``mix-rows-<n>``, ``mix-w<n>``, ``mix-all-sources``).
 DOT_FWD_MIX = True
+DOT_MIX_MAX_SOURCES = 8
 DOT_MIX_ROWS = 32
 DOT_MIX_WARPS = 4
 # Sites a pass needs for its forward to run there: phase-one passes (one site over many sources
@@ -1972,7 +1979,7 @@ def _forward(
         w_lo = (w - w_hi.float()).to(torch.bfloat16)
         dhp, dt_dot = _dot_lanes(d // heads)
         src_offs, out_offs = _offsets(srcs, base), _offsets(outs, outs[0])
-        if DOT_FWD_MIX and dt_dot == 0 and dhp == d // heads:
+        if DOT_FWD_MIX and dt_dot == 0 and dhp == d // heads and n_src <= DOT_MIX_MAX_SOURCES:
             bs_mix, bso_mix, bn_mix, bm_mix = _mix_tile(n_sites, n_src)
             tiles = _cdiv(M, bm_mix)
             mix_flags = dict(

@@ -619,12 +619,13 @@ def test_pass_two_on_tensor_cores_adds_into_the_gradient_sink(monkeypatch):
 DOT_FWD_CASES = [(*c, 1.0) for c in DOT_CPU if c[1] >= 2] + [(9, 8, 8, 256, 19, torch.bfloat16, 30.0), (17, 3, 1, 160, 11, torch.bfloat16, 30.0)]
 
 
-def fwd_dot_kernel(d: int, heads: int) -> str:
-    """The tensor-core forward kernel a phase-one pass at width ``d`` over ``heads`` heads launches:
-    ``fwd_sites_mix`` (DOT_FWD_MIX) where a head's width is one power-of-two tile, else
-    ``fwd_sites_dot``."""
+def fwd_dot_kernel(d: int, heads: int, n: int = 1) -> str:
+    """The tensor-core forward kernel a phase-one pass at width ``d`` over ``heads`` heads and ``n``
+    sources launches: ``fwd_sites_mix`` (DOT_FWD_MIX) where a head's width is one power-of-two tile
+    and the sources are at most DOT_MIX_MAX_SOURCES, else ``fwd_sites_dot``."""
     dhp, dt = tr._dot_lanes(d // heads)
-    return "fwd_sites_mix" if tr.DOT_FWD_MIX and dt == 0 and dhp == d // heads else "fwd_sites_dot"
+    mix = tr.DOT_FWD_MIX and dt == 0 and dhp == d // heads and n <= tr.DOT_MIX_MAX_SOURCES
+    return "fwd_sites_mix" if mix else "fwd_sites_dot"
 
 
 @pytest.mark.parametrize("mix", [True, False], ids=["mix", "block-diagonal"])
@@ -640,6 +641,7 @@ def test_phase_one_forward_on_tensor_cores_matches_float64_reference(monkeypatch
     rounding of the vector kernel's and as close to float64; queries at ``spread`` times the usual
     scale too."""
     monkeypatch.setattr(tr, "DOT_FWD_MIX", mix)
+    monkeypatch.setattr(tr, "DOT_MIX_MAX_SOURCES", 1 << 30)  # the mixed kernel over any number of sources here
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_MIN_SOURCES", 1)  # the tensor-core kernels over one and two sources too (not in training)
@@ -655,8 +657,8 @@ def test_phase_one_forward_on_tensor_cores_matches_float64_reference(monkeypatch
         monkeypatch.setattr(tr, "DOT_FWD", on_dots)
         launched.clear()
         runs[on_dots] = tr._forward(srcs, queries, gains, heads, 1e-6, None, None, None, None, False, save_rstd=True)
-        assert (fwd_dot_kernel(d, heads) in launched) == on_dots and ("fwd" in launched) != on_dots, launched
-        if on_dots and n > tr.DOT_WIDE_SOURCES and fwd_dot_kernel(d, heads) == "fwd_sites_dot":  # a one-token tile of more than 64 sources: its own warps
+        assert (fwd_dot_kernel(d, heads, n) in launched) == on_dots and ("fwd" in launched) != on_dots, launched
+        if on_dots and n > tr.DOT_WIDE_SOURCES and fwd_dot_kernel(d, heads, n) == "fwd_sites_dot":  # a one-token tile of more than 64 sources: its own warps
             assert launched.warps == [tr.DOT_WARPS_ONE_TOKEN_WIDE] != [tr.DOT_WARPS_ONE_TOKEN["fwd_sites_dot"]], launched.warps
     got = runs[True]
     ref_outs, ref_lse = reference.route_sites([x.double() for x in srcs], queries.double(), gains.double(), heads)
@@ -693,12 +695,35 @@ def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token
     outs = tr._forward(srcs, queries, gains, 2, 1e-6, None, None, None, None, False)
     dhp, dt = tr._dot_lanes(d // 2)
     assert dt == 0 if d == 32 else (dt > 0 and column % (d // 2) >= dhp)  # at width 48, a column of the second tile
-    tokens_per_tile = tr._mix_tile(2, 3)[3] if fwd_dot_kernel(d, 2) == "fwd_sites_mix" else tr._dot_tile(2, 3, d // 2)[2]
-    assert fwd_dot_kernel(d, 2) in launched and tokens_per_tile > 5  # several tokens per tile
+    tokens_per_tile = tr._mix_tile(2, 3)[3] if fwd_dot_kernel(d, 2, 3) == "fwd_sites_mix" else tr._dot_tile(2, 3, d // 2)[2]
+    assert fwd_dot_kernel(d, 2, 3) in launched and tokens_per_tile > 5  # several tokens per tile
     for k in range(2):
         assert not torch.isfinite(outs[k][5]).all()
         others = torch.cat([outs[k][:5], outs[k][6:]])
         assert torch.equal(others, torch.cat([clean[k][:5], clean[k][6:]]))
+
+
+@pytest.mark.parametrize("n", [3, 8, 9])
+def test_phase_one_forward_mixes_over_at_most_eight_sources(monkeypatch, n):
+    """With the package's settings, a phase-one forward at a head width of one power-of-two tile
+    launches the mixed kernel over 3 to DOT_MIX_MAX_SOURCES (8) sources and the block-diagonal one
+    over more, and both give the same outputs up to rounding."""
+    monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
+    monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
+    launched = spy_launches(monkeypatch)
+    g = torch.Generator().manual_seed(40 + n)
+    srcs = [torch.randn(11, 64, generator=g).to(DEVICE, torch.bfloat16) for _ in range(n)]
+    queries, gains = (0.5 * torch.randn(4, 64, generator=g)).to(DEVICE), (1 + 0.3 * torch.randn(4, 64, generator=g)).to(DEVICE)
+    outs = tr._forward(srcs, queries, gains, 2, 1e-6, None, None, None, None, False)
+    assert launched == (["fwd_sites_mix"] if n <= 8 else ["fwd_sites_dot"]), launched
+    monkeypatch.setattr(tr, "DOT_FWD_MIX", not tr.DOT_FWD_MIX if n <= 8 else tr.DOT_FWD_MIX)
+    monkeypatch.setattr(tr, "DOT_MIX_MAX_SOURCES", 8 if n <= 8 else n)
+    launched.clear()
+    other = tr._forward(srcs, queries, gains, 2, 1e-6, None, None, None, None, False)
+    assert launched == (["fwd_sites_dot"] if n <= 8 else ["fwd_sites_mix"]), launched
+    for k in range(4):
+        assert bf16_flips(outs[k], other[k]) < 0.05 and rel_err(outs[k], other[k]) < 1e-2
+    torch.testing.assert_close(outs[4], other[4], rtol=1e-5, atol=1e-5)  # lse
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -717,7 +742,7 @@ def test_phase_one_over_fewer_than_three_sources_launches_the_vector_kernels(mon
         outs, lse = tr.route_sites(srcs, queries, gains, 2)
         torch.autograd.grad([*outs, lse], [*srcs, queries, gains], [torch.ones_like(o) for o in outs] + [torch.ones_like(lse)])
     dots = n >= tr.DOT_MIN_SOURCES
-    assert (fwd_dot_kernel(32, 2) in launched) == dots and ("fwd" in launched) != dots, launched
+    assert (fwd_dot_kernel(32, 2, n) in launched) == dots and ("fwd" in launched) != dots, launched
     assert ("bwd_stats_dot" in launched) == dots and ("bwd_stats" in launched) != dots, launched
 
 
