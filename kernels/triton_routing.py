@@ -53,7 +53,10 @@ of them is ``_route_bwd_stats_dot``: the same outputs, formed as ``tl.dot`` prod
 cores (rows (token, site) against rows (token, source) of a tile of tokens, per head, the head
 width padded to a power of two; float32 factors as bf16x2 splits, hi + lo).
 ``_route_bwd_sources_dot`` does the same for the second (at head widths that need no padding), and
-``_route_fwd_sites_dot`` for the forward of a phase-one pass. Eager calls run the autograd through
+``_route_fwd_sites_dot`` for the forward of a phase-one pass; over at most eight sources at a head
+width of one power-of-two tile (128) the forward is ``_route_fwd_sites_mix`` instead (the scores as
+one dense product of the sites' weights against a tile's (token, source) rows, the weighted sum on
+the vector units in float32). Eager calls run the autograd through
 :class:`_RouteFunction`; ``torch.compile`` sees the custom ops.
 
 Each token's width is held in registers as ``[heads, lanes]`` tiles; a head width that is a sum
