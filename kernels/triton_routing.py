@@ -1050,9 +1050,10 @@ def _route_fwd_sites_mix(
     #                                              folded to BSO = pow2(sites) rows and laid out [BM, BSO, BN]
     #   out[t, s] = sum_i alpha[t, s, i] v_i[t]    [BM, BSO, DH] float32, source by source
     # Every product of the score dot is used (the block-diagonal form wastes BM - 1 of every BM), the
-    # weighted sum is exact float32 (no bf16x2 split of alpha) and mixes no tokens, so a non-finite
-    # value stays in its token's outputs without masking. Each source tile is read three times per
-    # tile (the rstd, the score dot, the weighted sum): once from memory, then mostly from cache.
+    # weighted sum is float32 products and sums (alpha not split into bf16 halves) and mixes no
+    # tokens, so a non-finite value stays in its token's outputs without masking. Each source tile
+    # is read three times per tile (the rstd, the score dot, the weighted sum): once from memory,
+    # then mostly from cache.
     pid = tl.program_id(0)
     q = tl.arange(0, BM * BN)  # rows (token, source) of the score dot
     j_q = q % BN
