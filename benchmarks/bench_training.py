@@ -111,8 +111,6 @@ KNOBS = {
     "fwd-block-diag": {(TR, "DOT_FWD_MIX"): False},  # phase one's forward as block-diagonal products of (token, site) and (token, source) rows (before the twenty-fifth set)
     **{f"mix-rows-{n}": {(TR, "DOT_MIX_ROWS"): n} for n in (16, 64, 128)},  # the mixed forward's (token, source) rows per tile (the package: 32)
     **{f"mix-w{n}": {(TR, "DOT_MIX_WARPS"): n} for n in (2, 8)},  # ... its warps (the package: 4)
-    "w-in-loop": {(TR, "DOT_W_IN_LOOP"): frozenset({"bwd_stats_dot", "bwd_sources_dot"})},  # phase one's backward on tensor cores loads the weights at every tile
-    "w-in-loop-sources": {(TR, "DOT_W_IN_LOOP"): frozenset({"bwd_sources_dot"})},  # ... pass two only
     "mix-all-sources": {(TR, "DOT_MIX_MAX_SOURCES"): 1 << 30},  # ... over any number of sources (the package: at most 8; the twenty-fifth set's call b)
     "vector-fwd": {(TR, "DOT_FWD"): False},  # phase one's forward on the vector kernel, not tensor cores
     "fwd-at-64": {(TR, "DOT_FWD_MIN_HEAD_WIDTH"): 64},  # phase one's forward on tensor cores at head width 64 too (100m)

@@ -19,8 +19,7 @@ tiles of up to 128 sources, (``--shapes min-sources``) passes over 1 to 4 source
 its backward in two passes against one pass on the routed value r saved in float32 or bf16, and
 (``--shapes padded-sites``) the vector forward of passes whose site count ``FWD_SITES`` does not
 divide, in groups that divide it against padded groups and the tensor-core forward, and (``--shapes
-mix``) phase one's forward on the block-diagonal tensor-core kernel against the mixed one by tile, and
-(``--shapes w-in-loop``) phase one's backward with the weights loaded at every tile.
+mix``) phase one's forward on the block-diagonal tensor-core kernel against the mixed one by tile.
 
     python benchmarks/tune_tiles.py --scale 350m --out OUT    # writes OUT/tune_tiles.csv
 """
@@ -181,7 +180,7 @@ def main(argv=None):
     ap.add_argument("--scale", choices=list(SCALES), default="350m")
     ap.add_argument("--out", required=True, help="folder of tune_tiles.csv (rows are appended)")
     ap.add_argument("--shapes", default="phase1,full,one-site", help="comma-separated: which shape families to run "
-                    "(phase1, full, op: one site over 9 and 2L+1 sources at H = 1, merge, dots, passes, dot-tune, wide, min-sources, saved-r, one-site, padded-sites, mix, w-in-loop)")
+                    "(phase1, full, op: one site over 9 and 2L+1 sources at H = 1, merge, dots, passes, dot-tune, wide, min-sources, saved-r, one-site, padded-sites, mix)")
     ap.add_argument("--kinds", default="", help="comma-separated launch kinds to vary (fwd, bwd_stats, bwd_sources, merge_fwd, bwd, "
                     "bwd_add: the additive merge's backward); default all")
     args = ap.parse_args(argv)
@@ -350,21 +349,6 @@ def main(argv=None):
                         emit(check_and_time(row, lambda: lambda: fwd()[0], ref_out, bench))
                 del data, fwd, ref_out
                 torch.cuda.empty_cache()
-
-        # "w-in-loop": phase one's backward on tensor cores with the sites' weights loaded at every
-        # tile (DOT_W_IN_LOOP) against held across tiles, H = 8: block routing's passes (S sites over
-        # 3, 5, 8 sources) and full routing's groups of 12 sites (13, 25, 37 sources); pass one's
-        # pipelining stages with it; forward and whole backward timed apart, checked against the first
-        if "w-in-loop" in families:
-            both = frozenset({"bwd_stats_dot", "bwd_sources_dot"})
-            w_settings = [
-                ("held", dict(DOT_W_IN_LOOP=frozenset())), ("in-loop", dict(DOT_W_IN_LOOP=both)),
-                ("in-loop-sources", dict(DOT_W_IN_LOOP=frozenset({"bwd_sources_dot"}))),
-                ("in-loop-stats-s1", dict(DOT_W_IN_LOOP=both, DOT_STAGES={"bwd_sources_dot": 1, "bwd_stats_dot": 1})),
-                ("in-loop-stats-s2", dict(DOT_W_IN_LOOP=both, DOT_STAGES={"bwd_sources_dot": 1, "bwd_stats_dot": 2})),
-            ]
-            for n, sites in ((3, S), (5, S), (8, S), (13, 12), (25, 12), (37, 12)):
-                time_pass_settings(emit, f"w-in-loop-N{n}-S{sites}-H8", make(M, d, n, sites, 8, seed=n), w_settings)
 
         # "padded-sites": phase-one passes whose site count FWD_SITES does not divide, H = 8: L + 1
         # sites over L + 1 sources (at 100m full MHAR's second group of 12, joined by the final

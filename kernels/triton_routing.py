@@ -266,11 +266,6 @@ DOT_PROGRAMS_PER_SM = 16
 # token) 3.05 ms on 2 warps against 3.40 on 4 (``DOT_WARPS_ONE_TOKEN``). In training at 350m both
 # were within the spread (full MHAR 0.820 against 0.817 with either former setting). Benchmark knobs.
 DOT_STAGES: dict[str, int] = {"bwd_sources_dot": 1}
-# Phase one's backward kernels on tensor cores that load the sites' weights (bf16x2, repeated per
-# token of a tile) at every tile instead of holding them in registers across tiles: Nsight Compute
-# found both at 250-255 registers a thread, 4 programs of 2 warps per SM (BENCHMARKS.md,
-# twenty-fifth set). Not measured yet. A benchmark knob (``w-in-loop``).
-DOT_W_IN_LOOP: frozenset = frozenset()
 DOT_MAX_SITES = 16
 # Sources of one tensor-core tile (all of a token's sources, padded to a power of two). At 64, full
 # routing's last group at 1b (8 sites over 65 sources) ran on the vector kernels, 13.5 ms forward and
@@ -1246,7 +1241,7 @@ def _route_bwd_stats_dot(
     M, num_tiles, progs,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, DT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
     ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, HAS_DLSE: tl.constexpr, DOT_F32: tl.constexpr,
-    STORE_SA: tl.constexpr, STORE_T: tl.constexpr, W_IN_LOOP: tl.constexpr = False,
+    STORE_SA: tl.constexpr, STORE_T: tl.constexpr,
 ):
     # Site-loop backward, pass one, on tensor cores (bf16 sources and gradients): the outputs of
     # ``_route_bwd_stats`` (replacement form, saved key rstd, all N <= BN sources in one tile, head
@@ -1283,38 +1278,24 @@ def _route_bwd_stats_dot(
     smask = s_r < n_sites
     jmask = j_q < n_src
     w_off = s_r[:, None] * D + col
-    if not W_IN_LOOP:  # (W_IN_LOOP: loaded per tile, from cache, not held in registers across tiles)
-        w = tl.load(w_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)  # [BM*BS, DHP] bf16: W's hi half
-        w_lo = tl.load(wlo_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)
-        if DOT_F32:
-            w = w.to(tl.float32)
-            w_lo = w_lo.to(tl.float32)
+    w = tl.load(w_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)  # [BM*BS, DHP] bf16: W's hi half
+    w_lo = tl.load(wlo_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)
+    if DOT_F32:
+        w = w.to(tl.float32)
+        w_lo = w_lo.to(tl.float32)
     g_off = tl.multiple_of(tl.load(g_offs + s_r, mask=smask, other=0), G_ALIGN)[:, None]  # [BM*BS, 1]
     off = tl.multiple_of(tl.load(src_offs + j_q, mask=jmask, other=0), ALIGN)[:, None]  # [BM*BN, 1]
     same = m_r[:, None] == m_q[None, :]  # [BM*BS, BM*BN]: the blocks of one token
     dw_acc = tl.full([BM * BS, DHP], 0.0, tl.float32)
     if DT > 0:
         col_t = h * DH + DHP + tl.arange(0, DT)[None, :]  # [1, DT]
-        if not W_IN_LOOP:
-            w_t = tl.load(w_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)  # [BM*BS, DT]
-            w_lo_t = tl.load(wlo_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)
-            if DOT_F32:
-                w_t = w_t.to(tl.float32)
-                w_lo_t = w_lo_t.to(tl.float32)
+        w_t = tl.load(w_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)  # [BM*BS, DT]
+        w_lo_t = tl.load(wlo_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)
+        if DOT_F32:
+            w_t = w_t.to(tl.float32)
+            w_lo_t = w_lo_t.to(tl.float32)
         dw_acc_t = tl.full([BM * BS, DT], 0.0, tl.float32)
     for tile in range(pid, num_tiles, progs):
-        if W_IN_LOOP:
-            w = tl.load(w_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)
-            w_lo = tl.load(wlo_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)
-            if DOT_F32:
-                w = w.to(tl.float32)
-                w_lo = w_lo.to(tl.float32)
-            if DT > 0:
-                w_t = tl.load(w_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)
-                w_lo_t = tl.load(wlo_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)
-                if DOT_F32:
-                    w_t = w_t.to(tl.float32)
-                    w_lo_t = w_lo_t.to(tl.float32)
         rows_r = tl.cast(tile, tl.int64) * BM + m_r  # token of each row
         rows_q = tl.cast(tile, tl.int64) * BM + m_q
         rmask = smask & (rows_r < M)
@@ -1403,7 +1384,6 @@ def _route_bwd_sources_dot(
     M, num_tiles, progs,
     D: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, DT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
     BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, DOT_F32: tl.constexpr, ACC: tl.constexpr,
-    W_IN_LOOP: tl.constexpr = False,
 ):
     # Site-loop backward, pass two, on tensor cores (bf16, after ``_route_bwd_stats_dot`` with
     # STORE_T): the source gradients of ``_route_bwd_sources``,
@@ -1430,12 +1410,11 @@ def _route_bwd_sources_dot(
     smask = s_r < n_sites
     jmask = j_q < n_src
     w_off = s_r[:, None] * D + col
-    if not W_IN_LOOP:  # (W_IN_LOOP: loaded per tile, from cache, not held in registers across tiles)
-        w = tl.load(w_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)  # [BM*BS, DHP] bf16 hi
-        w_lo = tl.load(wlo_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)
-        if DOT_F32:
-            w = w.to(tl.float32)
-            w_lo = w_lo.to(tl.float32)
+    w = tl.load(w_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)  # [BM*BS, DHP] bf16 hi
+    w_lo = tl.load(wlo_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)
+    if DOT_F32:
+        w = w.to(tl.float32)
+        w_lo = w_lo.to(tl.float32)
     g_off = tl.multiple_of(tl.load(g_offs + s_r, mask=smask, other=0), G_ALIGN)[:, None]  # [BM*BS, 1]
     off = tl.multiple_of(tl.load(src_offs + j_q, mask=jmask, other=0), ALIGN)[:, None]  # [BM*BN, 1]
     d_off = tl.multiple_of(tl.load(dsrc_offs + j_q, mask=jmask, other=0), ALIGN)[:, None]
@@ -1446,25 +1425,12 @@ def _route_bwd_sources_dot(
     h_1 = tl.arange(0, BH)
     if DT > 0:
         col_t = h * DH + DHP + tl.arange(0, DT)[None, :]  # [1, DT]
-        if not W_IN_LOOP:
-            w_t = tl.load(w_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)  # [BM*BS, DT]
-            w_lo_t = tl.load(wlo_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)
-            if DOT_F32:
-                w_t = w_t.to(tl.float32)
-                w_lo_t = w_lo_t.to(tl.float32)
+        w_t = tl.load(w_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)  # [BM*BS, DT]
+        w_lo_t = tl.load(wlo_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)
+        if DOT_F32:
+            w_t = w_t.to(tl.float32)
+            w_lo_t = w_lo_t.to(tl.float32)
     for tile in range(pid, num_tiles, progs):
-        if W_IN_LOOP:
-            w = tl.load(w_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)
-            w_lo = tl.load(wlo_ptr + w_off, mask=smask[:, None] & cmask, other=0.0)
-            if DOT_F32:
-                w = w.to(tl.float32)
-                w_lo = w_lo.to(tl.float32)
-            if DT > 0:
-                w_t = tl.load(w_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)
-                w_lo_t = tl.load(wlo_ptr + s_r[:, None] * D + col_t, mask=smask[:, None], other=0.0)
-                if DOT_F32:
-                    w_t = w_t.to(tl.float32)
-                    w_lo_t = w_lo_t.to(tl.float32)
         rows_r = tl.cast(tile, tl.int64) * BM + m_r
         rows_q = tl.cast(tile, tl.int64) * BM + m_q
         rmask = smask & (rows_r < M)
@@ -2421,7 +2387,7 @@ def _backward_site_loop(
         dot_flags = dict(
             D=d, H=heads, DH=d // heads, DHP=dhp, DT=dt_dot, BS=bs_dot, BN=bn_dot, BM=bm_dot,
             ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), HAS_DLSE=grad_lse is not None,
-            DOT_F32=interpret, STORE_SA=not both_on_dots, STORE_T=both_on_dots, W_IN_LOOP="bwd_stats_dot" in DOT_W_IN_LOOP,
+            DOT_F32=interpret, STORE_SA=not both_on_dots, STORE_T=both_on_dots,
             **_dot_launch("bwd_stats_dot", bm_dot, bn_dot),
         )
 
@@ -2452,7 +2418,7 @@ def _backward_site_loop(
             src_flags = dict(
                 D=d, H=heads, BH=_pow2(heads), DH=d // heads, DHP=dhp, DT=dt_dot, BS=bs2, BN=bn2, BM=bm2,
                 ALIGN=16 // base.element_size(), G_ALIGN=16 // grads[0].element_size(), DOT_F32=interpret, ACC=acc_c > 0,
-                W_IN_LOOP="bwd_sources_dot" in DOT_W_IN_LOOP, **_dot_launch("bwd_sources_dot", bm2, bn2),
+                **_dot_launch("bwd_sources_dot", bm2, bn2),
             )
 
             def src_args(progs: int, c0=c0, c1=c1, acc_c=acc_c, tiles2=tiles2) -> tuple:

@@ -540,25 +540,6 @@ def test_pass_two_on_tensor_cores_matches_float64_reference(monkeypatch, n, site
         assert bf16_flips(a, b) < 0.05, bf16_flips(a, b)
 
 
-@pytest.mark.parametrize("n,sites,heads,d,tokens", [(9, 6, 2, 64, 13), (5, 3, 2, 96, 11)], ids=["width32", "width48-two-tiles"])
-def test_backward_on_tensor_cores_with_weights_loaded_per_tile_is_bit_identical(monkeypatch, n, sites, heads, d, tokens):
-    """Both backward passes on tensor cores with the sites' weights loaded at every tile
-    (``DOT_W_IN_LOOP``) give the same outputs and gradients, bit for bit, as with the weights held
-    across tiles, and match float64; at head width 48 (two column tiles) too."""
-    launched = spy_launches(monkeypatch)
-    monkeypatch.setattr(tr, "DOT_SOURCES_PADDED", True)
-    runs = {}
-    for in_loop in (frozenset(), frozenset({"bwd_stats_dot", "bwd_sources_dot"})):
-        monkeypatch.setattr(tr, "DOT_W_IN_LOOP", in_loop)
-        launched.clear()
-        errs, ran, got = site_loop_on_tensor_cores_vs_float64(monkeypatch, n, sites, heads, d, tokens, torch.bfloat16, pass_two=True)
-        assert ran and "bwd_stats_dot" in launched and "bwd_sources_dot" in launched, launched
-        assert max(errs) < TOL[torch.bfloat16], errs
-        runs[bool(in_loop)] = got
-    for a, b in zip(runs[False], runs[True]):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.parametrize("heads,chunk", [(3, 64), (2, 64), (3, 2)], ids=["width32", "width48-two-tiles", "width32-chunks-of-2"])
 def test_pass_two_on_tensor_cores_adds_into_sink_slots_and_only_there(monkeypatch, heads, chunk):
     """Pass two on tensor cores writing into a gradient sink: two passes over collected sources
