@@ -239,10 +239,16 @@ def check_ckpt_path(ckpt_path: Any) -> None:
 def check_checkpoint_dirpath(dirpath: Any) -> None:
     """Raises FileExistsError when fit's ``--checkpoint.dirpath`` already holds checkpoints
     (``*.ckpt``): Lightning would save beside them (``last-v1.ckpt``), so the folder's ``last.ckpt``
-    would stay another run's and a resume from it would silently continue that run."""
+    would stay another run's and a resume from it would silently continue that run; and when it
+    names an existing file (Lightning would fail only at the first save, after training)."""
     if not dirpath or not isinstance(dirpath, (str, os.PathLike)) or "://" in os.fspath(dirpath):
         return
     folder = Path(os.fspath(dirpath))
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(
+            f"checkpoint.dirpath={os.fspath(dirpath)!r} is a file, not a folder; give a new or empty folder for the "
+            f"checkpoints, or leave --checkpoint.dirpath unset ({CHECKPOINT_LAYOUT})"
+        )
     found = sorted(p.name for p in folder.glob("*.ckpt")) if folder.is_dir() else []
     if found:
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
@@ -251,6 +257,58 @@ def check_checkpoint_dirpath(dirpath: Any) -> None:
             "another run's. Give an empty or new folder, or leave --checkpoint.dirpath unset (each run then saves under "
             f"its own run folder, {CHECKPOINT_LAYOUT})"
         )
+
+
+# What a resumed fit's data stream must share with the checkpoint's (the litdata loader's saved
+# state is only valid for the same blocks, batches, shuffling and workers; TokenDataModule).
+RESUME_DATA_KEYS = ("seq_len", "batch_size", "seed", "num_workers")
+
+
+def check_resume(checkpoint: dict, config: Any, ckpt_path: str) -> None:
+    """Checks ``fit --ckpt_path`` against the checkpoint before any work.
+
+    Args:
+        checkpoint: The loaded checkpoint (``torch.load``; tensors need not be read).
+        config: The fit command's parsed configuration (``data.*``, ``trainer.max_steps``, ``model.config``).
+        ckpt_path: The checkpoint's path, for the messages.
+
+    Raises:
+        ValueError: a ``data.seq_len``, ``batch_size``, ``seed`` or ``num_workers`` other than the
+            checkpoint's (the saved data-loader state cannot continue: litdata would fail after
+            the model is built and the MLflow run reopened), or a ``trainer.max_steps`` (not -1)
+            at or below the checkpoint's step (the fit would train nothing).
+
+    Prints a note on stderr when ``--config`` or the command line ask for model options other than
+    the checkpoint's, which LightningCLI replaces with the checkpoint's.
+    """
+    saved = checkpoint.get("datamodule_hyper_parameters") or {}
+    for key in RESUME_DATA_KEYS:
+        given, was = config.get(f"data.{key}"), saved.get(key)
+        if key in saved and given is not None and given != was:
+            raise ValueError(
+                f"data.{key}={given!r} differs from the checkpoint's {was!r} ({ckpt_path}): a resumed fit continues the "
+                f"checkpoint's data stream, which needs the same {', '.join(RESUME_DATA_KEYS)}. Give --data.{key} {was}, "
+                "or start a new fit from its weights (--model.init_from CKPT, no --ckpt_path)"
+            )
+    step, max_steps = checkpoint.get("global_step"), config.get("trainer.max_steps", -1)
+    if isinstance(step, int) and isinstance(max_steps, int) and max_steps != -1 and max_steps <= step:
+        raise ValueError(
+            f"trainer.max_steps={max_steps} is not above the checkpoint's step {step} ({ckpt_path}): the resumed fit would "
+            f"train no step. Give --trainer.max_steps above {step} (it counts from the start of the first fit), or -1"
+        )
+    model_hp = (checkpoint.get("hyper_parameters") or {}).get("config")
+    asked = config.get("model.config")
+    if isinstance(model_hp, dict) and asked is not None:
+        asked = asked.as_dict() if hasattr(asked, "as_dict") else dict(asked)
+        linked = ("vocab_size", "seq_len")  # flow from the data, not model options
+        differ = [f"{k}={asked[k]!r} (checkpoint: {model_hp[k]!r})" for k in asked if k in model_hp and k not in linked and asked[k] != model_hp[k]]
+        if differ:
+            print(
+                f"[lit-mhar] note: resuming trains the checkpoint's model; these model options of --config and the command "
+                f"line are replaced by the checkpoint's: {', '.join(differ)}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def utc_stamp() -> str:
@@ -292,7 +350,8 @@ class LitMharCLI(LightningCLI):
       prefixed ``validate-``, ``test-`` or ``predict-`` for those commands (MLflow's random names
       repeat under a fixed seed: ``seed_everything`` seeds them);
     * ``fit --checkpoint.dirpath`` holding checkpoints is refused (:func:`check_checkpoint_dirpath`),
-      as is a ``trainer.max_steps`` or ``max_epochs`` below -1 (:func:`check_trainer_limits`),
+      as is a ``trainer.max_steps`` or ``max_epochs`` below -1 (:func:`check_trainer_limits`), and a
+      resume whose data settings or ``max_steps`` cannot continue the checkpoint (:func:`check_resume`),
       and ``validate`` / ``test`` / ``predict`` without ``--ckpt_path`` print a note that they run a fresh model.
     """
 
@@ -307,6 +366,9 @@ class LitMharCLI(LightningCLI):
             check_cuda_graph(config)
             check_trainer_limits(config.get("trainer.max_steps", -1), config.get("trainer.max_epochs"))
             check_checkpoint_dirpath(config.get("checkpoint.dirpath"))
+            ckpt = config.get("ckpt_path")
+            if ckpt and isinstance(ckpt, (str, os.PathLike)) and Path(os.fspath(ckpt)).is_file():
+                check_resume(torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True), config, os.fspath(ckpt))
         elif self.subcommand in ("validate", "test", "predict") and not config.get("ckpt_path"):
             print(f"[lit-mhar] note: {self.subcommand} without --ckpt_path runs a freshly initialised model", file=sys.stderr, flush=True)
         init = _mlflow_init_args(config)

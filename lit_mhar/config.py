@@ -96,22 +96,25 @@ class ModelConfig:
                 f"ModelConfig.heads={self.heads} must divide d_model={self.d_model}; "
                 f"valid: {[h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and h <= 64]}"
             )
-        if self.head_dim is None:
+        derived = self.head_dim is None
+        if derived:
             if self.d_model % self.n_head:
                 raise ValueError(
                     f"ModelConfig.n_head={self.n_head} must divide d_model={self.d_model} (or set head_dim)"
                 )
             self.head_dim = self.d_model // self.n_head
         if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
-            raise ValueError(f"ModelConfig.head_dim={self.head_dim!r} must be an even integer >= 2 (RoPE rotates pairs)")
+            source = f" (d_model={self.d_model} / n_head={self.n_head}; change either, or set head_dim)" if derived else ""
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim!r}{source} must be an even integer >= 2 (RoPE rotates pairs)")
         if not isinstance(self.qk_norm, bool):
             raise ValueError(f"ModelConfig.qk_norm={self.qk_norm!r} must be true or false")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"ModelConfig.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
         if self.residual in ("prenorm", "hyper") and (self.heads != 1 or self.block_size != 1):
+            bad = ", ".join(f"{k}={v}" for k, v in (("heads", self.heads), ("block_size", self.block_size)) if v != 1)
             raise ValueError(
-                f"ModelConfig.residual={self.residual!r} has no depth routing, so heads={self.heads} and "
-                f"block_size={self.block_size} must be left at 1; use residual='attnres' or 'delta'"
+                f"ModelConfig.residual={self.residual!r} has no depth routing, so heads and block_size must be left "
+                f"at 1 (got {bad}); use residual='attnres' or 'delta' to route"
             )
         if self.block_size > 2 * self.n_layer:
             raise ValueError(

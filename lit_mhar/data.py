@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Iterator, Literal, Optional, Union
 
 # Older litdata releases ask PyPI for a newer version on every optimize() / StreamingDataset()
 # (offline: up to a 30 s timeout). Read when litdata is imported.
@@ -535,7 +535,7 @@ def _versions() -> dict[str, str]:
 def prepare(
     output_dir: str = DEFAULT_DATA_DIR,
     source: Literal["stdlib", "files"] = "stdlib",
-    files: Optional[list[str]] = None,
+    files: Union[list[str], str, None] = None,
     text_field: str = "text",
     tokenizer: Optional[str] = None,
     vocab_size: int = 8192,
@@ -556,7 +556,7 @@ def prepare(
         output_dir: Directory to create. Must not exist or be empty (see overwrite).
         source: ``stdlib``: every .py file of the running Python's standard library (~30 MB of
             code), split by file. ``files``: the paths in ``files``.
-        files: Input files for source=files (globs allowed). ``.jsonl``: one document per line, in
+        files: Input files for source=files (globs allowed; one path or pattern, or a list). ``.jsonl``: one document per line, in
             ``text_field``; ``.parquet``: one document per row of column ``text_field``; any other
             file: plain UTF-8 text, one document per file.
         text_field: JSONL field / Parquet column holding the text.
@@ -581,6 +581,8 @@ def prepare(
         FileExistsError: output_dir is not empty and overwrite is false.
     """
     started = time.perf_counter()
+    if isinstance(files, (str, os.PathLike)):
+        files = [os.fspath(files)]
     chunk_bytes_int = _check_arguments(source, files, text_field, vocab_size, val_fraction, chunk_bytes, num_workers)
     out = Path(output_dir).expanduser().absolute()
     _check_output_dir(out, overwrite)

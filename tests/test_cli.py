@@ -177,6 +177,66 @@ def test_fit_resumes_from_a_checkpoint_where_it_stopped(small_corpus, tmp_path):
     assert ckpt.read_bytes() == before, "the checkpoint resumed from must not be touched"
 
 
+def test_fit_refuses_a_resume_that_cannot_continue_the_checkpoint_before_any_work(small_corpus, tmp_path, monkeypatch, capsys):
+    """``fit --ckpt_path`` with another data.seq_len or batch_size (the saved data-loader state
+    cannot continue), or with trainer.max_steps at or below the checkpoint's step (nothing to
+    train): exit 2 naming the value and the checkpoint's, before the run folder of a resume exists;
+    the checkpoint's MLflow run stays FINISHED and the checkpoint untouched."""
+    import mlflow
+
+    main(fit_args(small_corpus, tmp_path, "--trainer.max_steps", "3"))
+    (ckpt,) = (tmp_path / "runs").rglob("last.ckpt")
+    before = ckpt.read_bytes()
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("lit-mhar").experiment_id])
+    folders = sorted(p for p in (tmp_path / "runs").rglob("*") if p.is_dir())
+    capsys.readouterr()
+    cases = [
+        (("--data.seq_len", "16"), "data.seq_len=16 differs from the checkpoint's 32"),
+        (("--data.batch_size", "2"), "data.batch_size=2 differs from the checkpoint's 4"),
+        (("--trainer.max_steps", "3"), "trainer.max_steps=3 is not above the checkpoint's step 3"),
+        (("--trainer.max_steps", "2"), "trainer.max_steps=2 is not above the checkpoint's step 3"),
+    ]
+    for extra, message in cases:
+        monkeypatch.setattr(sys, "argv", ["lit-mhar", *fit_args(small_corpus, tmp_path, "--ckpt_path", str(ckpt), *extra)])
+        assert main() == 2, extra
+        (line,) = error_lines(capsys.readouterr().err)
+        assert line.startswith(f"lit-mhar fit: error: {message} ({ckpt})"), line
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    assert sorted(p for p in (tmp_path / "runs").rglob("*") if p.is_dir()) == folders, "no resumed-* folder"
+    assert ckpt.read_bytes() == before
+
+
+def test_check_resume_notes_model_options_the_checkpoint_replaces(capsys):
+    """Model options of the command that differ from the checkpoint's are named in a note (the
+    checkpoint's win); the options linked from the data are not; equal ones print nothing."""
+    from jsonargparse import Namespace
+
+    from lit_mhar.cli.lightning import check_resume
+
+    checkpoint = {
+        "global_step": 5,
+        "datamodule_hyper_parameters": {"seq_len": 32, "batch_size": 4, "seed": 42, "num_workers": 0},
+        "hyper_parameters": {"config": {"residual": "prenorm", "heads": 1, "block_size": 1, "vocab_size": 100, "seq_len": 32}},
+    }
+
+    def config(**model):
+        base = {"residual": "prenorm", "heads": 1, "block_size": 1, "vocab_size": None, "seq_len": None}
+        data = Namespace(seq_len=32, batch_size=4, seed=42, num_workers=0)
+        return Namespace(data=data, trainer=Namespace(max_steps=-1), model=Namespace(config=Namespace(**{**base, **model})))
+
+    check_resume(checkpoint, config(), "x.ckpt")
+    assert capsys.readouterr().err == ""
+    check_resume(checkpoint, config(residual="attnres", heads=4), "x.ckpt")
+    err = capsys.readouterr().err
+    assert "[lit-mhar] note: resuming trains the checkpoint's model" in err
+    assert "residual='attnres' (checkpoint: 'prenorm')" in err and "heads=4 (checkpoint: 1)" in err and "vocab_size" not in err
+    with pytest.raises(ValueError, match=r"data.seed=7 differs from the checkpoint's 42"):
+        bad = config()
+        bad.data.seed = 7
+        check_resume(checkpoint, bad, "x.ckpt")
+
+
 def test_fit_trains_hyper_connections(small_corpus, tmp_path):
     import mlflow
 
@@ -383,6 +443,8 @@ def test_fit_refuses_a_checkpoint_folder_that_holds_checkpoints_before_any_work(
     (held / "notes.txt").write_text("mine")
     for accepted in (held, tmp_path / "new", None, "s3://bucket/checkpoints"):
         check_checkpoint_dirpath(accepted)
+    with pytest.raises(FileExistsError, match=r"checkpoint.dirpath=.*notes.txt' is a file, not a folder"):
+        check_checkpoint_dirpath(held / "notes.txt")  # Lightning would fail only at its first save, after training
 
 
 def test_validate_without_a_checkpoint_says_so_and_names_its_run_after_the_command(small_corpus, tmp_path, capsys):

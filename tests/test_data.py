@@ -131,6 +131,9 @@ def test_jsonl_records_are_documents_split_by_file_and_line(tmp_path):
     assert _decoded_documents(out, "val") == val
     assert _decoded_documents(out, "train") == train
     assert read_manifest(out)["splits"]["train"]["files"] == 1
+    # one path given as a string, not a list (as `--files corpus.jsonl` parses): the same dataset
+    single = _prepare_files(tmp_path / "single", str(path), val_fraction=0.3)
+    assert _decoded_documents(single, "val") == val and _decoded_documents(single, "train") == train
 
 
 def test_parquet_column_is_read_and_null_rows_skipped(tmp_path):

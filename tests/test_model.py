@@ -286,12 +286,13 @@ def test_zero_initialised_queries_route_uniformly():
         (dict(residual="hyper", hc_rate=2.0), "hc_rate"),
         (dict(residual="hyper", hc_dynamic="yes"), "hc_dynamic"),
         (dict(residual="hyper", heads=2), "heads"),
-        (dict(residual="hyper", block_size=2), "block_size"),
+        (dict(residual="hyper", block_size=2), r"heads and block_size must be left at 1 \(got block_size=2\)"),
+        (dict(d_model=100, n_head=4), r"head_dim=25 \(d_model=100 / n_head=4; change either, or set head_dim\) must be an even integer"),
         (dict(residual="prenorm", hc_rate=2), "hc_rate"),
         (dict(residual="delta", hc_dynamic=False), "hc_dynamic"),
     ],
     ids=["heads-not-dividing-d", "block-size-zero", "block-size-past-the-sublayers", "heads-zero", "unknown-variant", "kv-heads", "prenorm-with-heads",
-         "hc-rate-zero", "hc-rate-float", "hc-dynamic-not-bool", "hyper-with-heads", "hyper-with-blocks",
+         "hc-rate-zero", "hc-rate-float", "hc-dynamic-not-bool", "hyper-with-heads", "hyper-with-blocks", "odd-derived-head-dim",
          "hc-rate-without-hyper", "hc-dynamic-without-hyper"],
 )
 def test_bad_config_fails_at_construction_naming_the_field(overrides, field):
