@@ -1021,27 +1021,34 @@ def run(
 
     check_tracking_uri(_tracking_uri(mlflow))  # an MLflow server that does not answer: TrackingUnavailable, at once
     storage_url = storage if storage.startswith("journal:") else absolute_sqlite(storage) if "://" in storage else storage
+    journal = Path(storage_url[len("journal:"):]).expanduser().absolute() if storage_url.startswith("journal:") else None
+    new_journal = journal is not None and not journal.exists()
     optuna_storage = open_storage(storage_url, heartbeat_interval, grace_period)
     import optuna
 
-    exists = study in optuna.get_all_study_names(storage=optuna_storage)
-    study_dir = Path(output_dir) / study
-    if not exists and study_dir.exists() and any(study_dir.iterdir()):
-        raise ValueError(f"{study_dir} holds files of an earlier sweep named {study!r}; remove it or use another --output_dir (nothing was changed)")
-    representatives = _representatives(parsed, grid, merged)
-    say(study, f"checking the fit config of {len(representatives)} representative point(s)")
-    resolved_configs = []
-    from lit_mhar.cli.lightning import check_accelerator, check_cuda_graph
+    try:
+        exists = study in optuna.get_all_study_names(storage=optuna_storage)
+        study_dir = Path(output_dir) / study
+        if not exists and study_dir.exists() and any(study_dir.iterdir()):
+            raise ValueError(f"{study_dir} holds files of an earlier sweep named {study!r}; remove it or use another --output_dir (nothing was changed)")
+        representatives = _representatives(parsed, grid, merged)
+        say(study, f"checking the fit config of {len(representatives)} representative point(s)")
+        resolved_configs = []
+        from lit_mhar.cli.lightning import check_accelerator, check_cuda_graph
 
-    for point in representatives:
-        try:
-            resolved_configs.append(resolve_fit_config(compose_trial_config(merged, per_scale, point)))
-            trainer = resolved_configs[-1].get("trainer") or {}
-            check_accelerator(trainer.get("accelerator"), trainer.get("devices"))  # gpu on a machine without one
-            check_cuda_graph(resolved_configs[-1])
-            token_budget(objective, resolved_configs[-1])
-        except ValueError as e:
-            raise ValueError(f"point {json.dumps(point)}: {e}") from None
+        for point in representatives:
+            try:
+                resolved_configs.append(resolve_fit_config(compose_trial_config(merged, per_scale, point)))
+                trainer = resolved_configs[-1].get("trainer") or {}
+                check_accelerator(trainer.get("accelerator"), trainer.get("devices"))  # gpu on a machine without one
+                check_cuda_graph(resolved_configs[-1])
+                token_budget(objective, resolved_configs[-1])
+            except ValueError as e:
+                raise ValueError(f"point {json.dumps(point)}: {e}") from None
+    except ValueError:
+        if new_journal and journal.is_file() and journal.stat().st_size == 0:
+            journal.unlink()  # the empty journal file opening the storage created: a refused sweep leaves nothing
+        raise
 
     sweep_text = yaml.safe_dump(
         {"study": study, "space": space, "base": merged, "per_scale": per_scale, "sampler": asdict(sampler), "pruner": asdict(pruner),

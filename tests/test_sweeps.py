@@ -220,6 +220,22 @@ def test_unknown_fit_argument_in_the_space_fails_before_the_study_exists(tmp_pat
     assert not (tmp_path / "mlflow.db").exists()
 
 
+def test_refused_sweep_leaves_no_new_journal_file_and_keeps_an_existing_one(tmp_path, stdlib_corpus, monkeypatch):
+    """A sweep refused before its study exists (a bad fit argument in the space) removes the empty
+    journal file that opening a new ``journal:PATH`` storage created; an existing journal is kept."""
+    monkeypatch.chdir(tmp_path)
+    path = write_sweep(tmp_path, stdlib_corpus, "typo", [{"residual": ["prenorm"], "model.warmup_stepz": [5]}])
+    journal = tmp_path / "sweeps.journal"
+    with pytest.raises(ValueError, match="warmup_stepz"):
+        main(["sweep", "run", "--config", str(path), "--storage", f"journal:{journal}"])
+    assert not journal.exists()
+    optuna.create_study(study_name="other", storage=open_storage(f"journal:{journal}"))
+    before = journal.read_bytes()
+    with pytest.raises(ValueError, match="warmup_stepz"):
+        main(["sweep", "run", "--config", str(path), "--storage", f"journal:{journal}"])
+    assert journal.read_bytes() == before
+
+
 def test_sweep_help_lists_run_and_report(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["sweep", "--help"])
