@@ -259,6 +259,14 @@ def check_checkpoint_dirpath(dirpath: Any) -> None:
         )
 
 
+def _local_checkpoint(ckpt_path: Any) -> Optional[dict]:
+    """``--ckpt_path`` loaded (memory-mapped, tensors not read) where it names a local file; None
+    for none and for what Lightning resolves itself (``last``, ``best``, a remote path)."""
+    if not ckpt_path or not isinstance(ckpt_path, (str, os.PathLike)) or not Path(os.fspath(ckpt_path)).is_file():
+        return None
+    return torch.load(os.fspath(ckpt_path), map_location="cpu", weights_only=False, mmap=True)
+
+
 # What a resumed fit's data stream must share with the checkpoint's (the litdata loader's saved
 # state is only valid for the same blocks, batches, shuffling and workers; TokenDataModule).
 RESUME_DATA_KEYS = ("seq_len", "batch_size", "seed", "num_workers")
@@ -357,6 +365,7 @@ class LitMharCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        resumed = None  # fit's --ckpt_path, read once (a local file)
         check_accelerator(config.get("trainer.accelerator"), config.get("trainer.devices"))
         check_ckpt_path(config.get("ckpt_path"))
         if config.get("model.compile") is not None:
@@ -366,9 +375,9 @@ class LitMharCLI(LightningCLI):
             check_cuda_graph(config)
             check_trainer_limits(config.get("trainer.max_steps", -1), config.get("trainer.max_epochs"))
             check_checkpoint_dirpath(config.get("checkpoint.dirpath"))
-            ckpt = config.get("ckpt_path")
-            if ckpt and isinstance(ckpt, (str, os.PathLike)) and Path(os.fspath(ckpt)).is_file():
-                check_resume(torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True), config, os.fspath(ckpt))
+            resumed = _local_checkpoint(config.get("ckpt_path"))
+            if resumed is not None:
+                check_resume(resumed, config, os.fspath(config["ckpt_path"]))
         elif self.subcommand in ("validate", "test", "predict") and not config.get("ckpt_path"):
             print(f"[lit-mhar] note: {self.subcommand} without --ckpt_path runs a freshly initialised model", file=sys.stderr, flush=True)
         init = _mlflow_init_args(config)
@@ -377,8 +386,8 @@ class LitMharCLI(LightningCLI):
         if not init.get("tracking_uri"):
             init["tracking_uri"] = tracking_uri()
         check_tracking_uri(init["tracking_uri"])
-        if self.subcommand == "fit" and config.get("ckpt_path") and not init.get("run_id"):
-            self._continue_run(config, init)
+        if self.subcommand == "fit" and resumed is not None and not init.get("run_id"):
+            self._continue_run(config, init, resumed)
         if not init.get("run_id") and not init.get("run_name"):
             model = config.get("model.config")
             parts = [model.get(k) for k in ("name", "residual", "heads", "block_size")] if model is not None else [None] * 4
@@ -388,14 +397,13 @@ class LitMharCLI(LightningCLI):
             else:
                 init["run_name"] = f"lit-mhar-{utc_stamp()}"
 
-    def _continue_run(self, config: Any, init: Any) -> None:
-        """Points the logger at the MLflow run of ``config.ckpt_path`` (see the class docstring)."""
+    def _continue_run(self, config: Any, init: Any, checkpoint: dict) -> None:
+        """Points the logger at the MLflow run of ``config.ckpt_path``, loaded as ``checkpoint`` (see
+        the class docstring)."""
         from lit_mhar.probe import absolute_tracking_uri
 
         ckpt = Path(str(config["ckpt_path"]))
-        if not ckpt.is_file():  # "last", "best", a remote path: Lightning resolves those; a new run
-            return
-        record = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True).get("mlflow") or {}
+        record = checkpoint.get("mlflow") or {}
         if not record.get("run_id"):
             return
         here = absolute_tracking_uri(init["tracking_uri"])

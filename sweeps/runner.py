@@ -126,8 +126,8 @@ def open_storage(url: str, heartbeat_interval: Optional[int] = None, grace_perio
     # Heartbeats are marked experimental in Optuna; they are how a dead worker's trial is found.
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     try:
-        if url.startswith("journal:"):
-            path = Path(url[len("journal:"):]).expanduser().absolute()
+        path = journal_path(url)
+        if path is not None:
             if not path.parent.is_dir():
                 raise FileNotFoundError(f"folder {path.parent} does not exist")
             from optuna.storages.journal import JournalFileBackend, JournalStorage
@@ -177,6 +177,11 @@ def _create_rdb_storage(url: str, engine_kwargs: Optional[dict], heartbeat_inter
             time.sleep(0.25 * (attempt + 1))
 
 
+def journal_path(url: str) -> Optional[Path]:
+    """The absolute file of a ``journal:PATH`` storage URL; None for any other storage."""
+    return Path(url[len("journal:"):]).expanduser().absolute() if url.startswith("journal:") else None
+
+
 class StorageLock:
     """An inter-process lock beside a file storage (sqlite, journal); a no-op for database servers.
 
@@ -187,9 +192,9 @@ class StorageLock:
     def __init__(self, url: str) -> None:
         from filelock import FileLock
 
-        path = None
-        if url.startswith("journal:"):
-            path = str(Path(url[len("journal:"):]).expanduser().absolute())
+        journal, path = journal_path(url), None
+        if journal is not None:
+            path = str(journal)
         elif url.startswith("sqlite"):
             path = absolute_sqlite(url).split(":///", 1)[1]
         self._lock = FileLock(path + ".sweep-lock") if path else None
@@ -1021,7 +1026,7 @@ def run(
 
     check_tracking_uri(_tracking_uri(mlflow))  # an MLflow server that does not answer: TrackingUnavailable, at once
     storage_url = storage if storage.startswith("journal:") else absolute_sqlite(storage) if "://" in storage else storage
-    journal = Path(storage_url[len("journal:"):]).expanduser().absolute() if storage_url.startswith("journal:") else None
+    journal = journal_path(storage_url)
     new_journal = journal is not None and not journal.exists()
     optuna_storage = open_storage(storage_url, heartbeat_interval, grace_period)
     import optuna
