@@ -358,7 +358,7 @@ DOT_MIX_WARPS = 4
 # ... or, taking precedence where it applies (the same head widths), as two kernels
 # (``_route_fwd_scores`` then ``_route_fwd_weigh``): the first streams every (source, head) tile once
 # through a tensor-core product with the head's weights and writes the scores and key rstd
-# ([N, M, H, S] and [N, M] float32), the second reads the sources again with the scores and
+# ([N, M, S * H] and [N, M] float32), the second reads the sources again with the scores and
 # writes each site's weighted sum, its tiles (tokens, columns of one head, sites) side by side.
 # Both hold little across their loops, so neither waits on latency the way one kernel holding a
 # token's sources and sites does; the price is one more read of the sources and the scores'
@@ -1138,26 +1138,26 @@ def _route_fwd_sites_mix(
 
 
 def _route_fwd_scores(
-    src_base, src_offs, n_src, w_ptr, wlo_ptr, n_sites, sc_ptr, rstd_ptr, lse_ptr, M, eps,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BSC: tl.constexpr, BHS: tl.constexpr, BM: tl.constexpr,
-    ALIGN: tl.constexpr, DOT_F32: tl.constexpr,
+    src_base, src_offs, n_src, w_ptr, wlo_ptr, n_sites, sc_ptr, rstd_ptr, M, eps,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BSC: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     # First kernel of phase one's split forward (DOT_FWD_SPLIT): per tile of BM tokens, one loop
     # over (source, head) pairs, each a [BM, DH] tile of a source read once from memory, forms
-    #   sc[i, t, h, s] = <w_s, v_i[t]>_h          [BM, BSC] float32, a tensor-core product of the
+    #   sc[i, t, s * H + h] = <w_s, v_i[t]>_h     [BM, BSC] float32, a tensor-core product of the
     #                                             tile against the head's weights [DH, BSC] (sites
     #                                             padded to BSC >= 16 columns, bf16x2 split: hi + lo)
     #   rstd[i, t] = (mean_c v_i[t, c]^2 + eps)^-1/2   the key RMSNorm's factor, over the whole width
-    # and writes both ([N, M, H, S] and [N, M] float32); the score is rstd * sc (AttnRes eq. 3
+    # and writes both ([N, M, S * H] and [N, M] float32); the score is rstd * sc (AttnRes eq. 3
     # with MHAR's heads). Nothing is held across sources or heads but the row's running sum of
-    # squares, so the loop is one pipelined stream of loads. Then, reading back its own scores
-    # (from L2), the lse over the sources of every (token, head, site), online in float32.
+    # squares, so the loop is one pipelined stream of loads.
     pid = tl.program_id(0)
     rows = tl.cast(pid, tl.int64) * BM + tl.arange(0, BM)
     rmask = rows < M
     c = tl.arange(0, DH)
     s_c = tl.arange(0, BSC)
     smask = s_c[None, :] < n_sites
+    sh = n_sites * H
     sq = tl.full([BM], 0.0, tl.float32)
     for k in range(n_src * H):
         i = k // H
@@ -1175,22 +1175,8 @@ def _route_fwd_scores(
         else:
             sc = tl.dot(v, w)
             sc = tl.dot(v, w_lo, sc)
-        tl.store(sc_ptr + ((tl.cast(i, tl.int64) * M + rows[:, None]) * H + h) * n_sites + s_c[None, :], sc, mask=rmask[:, None] & smask)
+        tl.store(sc_ptr + (tl.cast(i, tl.int64) * M + rows[:, None]) * sh + s_c[None, :] * H + h, sc, mask=rmask[:, None] & smask)
         tl.store(rstd_ptr + tl.cast(i, tl.int64) * M + rows, 1.0 / tl.sqrt(sq / D + eps), mask=rows < tl.where(h == H - 1, M, 0))
-    tl.debug_barrier()  # the scores and rstd above, stored by other threads of this program, are read below
-    j = tl.arange(0, BHS)[None, :]  # (head, site) columns h * S + s
-    jmask = j < H * n_sites
-    mx = tl.full([BM, BHS], float("-inf"), tl.float32)
-    l = tl.full([BM, BHS], 0.0, tl.float32)
-    for i in range(n_src):
-        r = tl.load(rstd_ptr + tl.cast(i, tl.int64) * M + rows, mask=rmask, other=1.0)
-        s = tl.load(sc_ptr + (tl.cast(i, tl.int64) * M + rows[:, None]) * H * n_sites + j, mask=rmask[:, None] & jmask, other=0.0) * r[:, None]
-        m_new = tl.maximum(mx, s)
-        l = l * tl.exp(mx - m_new) + tl.exp(s - m_new)
-        mx = m_new
-    h_j = j // n_sites
-    s_j = j % n_sites
-    tl.store(lse_ptr + (s_j.to(tl.int64) * M + rows[:, None]) * H + h_j, mx + tl.log(l), mask=rmask[:, None] & jmask)
 
 
 def _route_fwd_weigh(
@@ -1200,10 +1186,12 @@ def _route_fwd_weigh(
 ):
     # Second kernel of the split forward: program (token tile, column tile of BD <= DH columns in
     # head h, group of BSO sites; the groups of one tile run side by side, so a source tile is
-    # read from memory once and from L2 by the others) forms
-    #   out_s[t, cols] = sum_i exp(rstd_i[t] * sc[i, t, h, s] - lse[s, t, h]) v_i[t, cols]
-    # source by source in float32, with the next source's tile, scores and rstd in flight (AttnRes
-    # eq. 2). No token is mixed with another: a non-finite value stays in its token.
+    # read from memory once and from L2 by the others) first forms each site's lse over the
+    # sources from the first kernel's scores (online, float32; written by the head's first column
+    # tile), then
+    #   out_s[t, cols] = sum_i exp(rstd_i[t] * sc[i, t, s, h] - lse[s, t, h]) v_i[t, cols]
+    # source by source in float32 with the next source's tile in flight (AttnRes eq. 2). No token
+    # is mixed with another: a non-finite value stays in its token.
     pid = tl.program_id(0)
     grp = pid % n_groups
     rest = pid // n_groups
@@ -1215,23 +1203,29 @@ def _route_fwd_weigh(
     h = (dtile * BD) // DH
     s_o = grp * BSO + tl.arange(0, BSO)
     smask = s_o[None, :] < n_sites
-    lmask = rmask[:, None] & smask
-    lse = tl.load(lse_ptr + (s_o[None, :].to(tl.int64) * M + rows[:, None]) * H + h, mask=lmask, other=0.0)  # [BM, BSO]
-    sc_off = (rows[:, None] * H + h) * n_sites + s_o[None, :]  # [BM, BSO]
-    stride = M * H * n_sites  # one source's scores
+    sh = n_sites * H
+    sc_off = rows[:, None] * sh + s_o[None, :] * H + h  # [BM, BSO]
+    mx = tl.full([BM, BSO], float("-inf"), tl.float32)
+    l = tl.full([BM, BSO], 0.0, tl.float32)
+    for i in range(n_src):
+        r = tl.load(rstd_ptr + tl.cast(i, tl.int64) * M + rows, mask=rmask, other=1.0)
+        s = tl.load(sc_ptr + tl.cast(i, tl.int64) * M * sh + sc_off, mask=rmask[:, None] & smask, other=0.0) * r[:, None]
+        m_new = tl.maximum(mx, s)
+        l = l * tl.exp(mx - m_new) + tl.exp(s - m_new)
+        mx = m_new
+    lse = mx + tl.log(l)
+    first = (dtile * BD) % DH == 0
+    tl.store(lse_ptr + (s_o[None, :].to(tl.int64) * M + rows[:, None]) * H + h, lse, mask=(rows < tl.where(first, M, 0))[:, None] & smask)
     acc = tl.full([BM, BSO, BD], 0.0, tl.float32)
     off = tl.multiple_of(tl.load(src_offs), ALIGN)
     v_next = tl.load(src_base + off + rows[:, None] * D + col[None, :], mask=rmask[:, None], other=0.0)
-    r_next = tl.load(rstd_ptr + rows, mask=rmask, other=1.0)
-    s_next = tl.load(sc_ptr + sc_off, mask=lmask, other=0.0)
     for i in range(n_src):
         v = v_next.to(tl.float32)
-        a = tl.exp(s_next * r_next[:, None] - lse)  # [BM, BSO]
-        nxt = rows < tl.where(i + 1 < n_src, M, 0)
         off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)  # (the table has one entry more)
-        v_next = tl.load(src_base + off + rows[:, None] * D + col[None, :], mask=nxt[:, None], other=0.0)
-        r_next = tl.load(rstd_ptr + tl.cast(i + 1, tl.int64) * M + rows, mask=nxt, other=1.0)
-        s_next = tl.load(sc_ptr + tl.cast(i + 1, tl.int64) * stride + sc_off, mask=nxt[:, None] & smask, other=0.0)
+        v_next = tl.load(src_base + off + rows[:, None] * D + col[None, :], mask=(rows < tl.where(i + 1 < n_src, M, 0))[:, None], other=0.0)
+        r = tl.load(rstd_ptr + tl.cast(i, tl.int64) * M + rows, mask=rmask, other=1.0)
+        s = tl.load(sc_ptr + tl.cast(i, tl.int64) * M * sh + sc_off, mask=rmask[:, None] & smask, other=0.0) * r[:, None]
+        a = tl.exp(s - lse)  # [BM, BSO]
         acc += a[:, :, None] * v[:, None, :]
     o_off = tl.load(out_offs + s_o, mask=s_o < n_sites, other=0)  # [BSO]
     tl.store(out_base + o_off[None, :, None] + rows[:, None, None] * D + col[None, None, :], acc.to(out_base.dtype.element_ty),
@@ -2163,14 +2157,14 @@ def _forward_split(
     base, device = srcs[0], srcs[0].device
     d, n_src, n_sites = base.shape[-1], len(srcs), w_hi.shape[0]
     M, dh = base.numel() // d, d // heads
-    scores = _new((n_src, M, heads, n_sites), torch.float32, device)
+    scores = _new((n_src, M, n_sites * heads), torch.float32, device)
     rstd = _new((n_src, M), torch.float32, device)
     align = 16 // base.element_size()
     bm = INTERPRET_ROWS if interpret else DOT_SPLIT_SCORE_ROWS
     _kernel("fwd_scores", interpret)[(_cdiv(M, bm),)](
-        base, src_offs, n_src, w_hi, w_lo, n_sites, scores, rstd, lse, M, eps,
-        D=d, H=heads, DH=dh, BSC=max(16, _pow2(n_sites)), BHS=_pow2(heads * n_sites), BM=bm, ALIGN=align, DOT_F32=interpret,
-        num_warps=WARPS.get("fwd_scores", DOT_SPLIT_SCORE_WARPS), **({"num_stages": DOT_STAGES["fwd_scores"]} if "fwd_scores" in DOT_STAGES else {}),
+        base, src_offs, n_src, w_hi, w_lo, n_sites, scores, rstd, M, eps,
+        D=d, H=heads, DH=dh, BSC=max(16, _pow2(n_sites)), BM=bm, ALIGN=align, DOT_F32=interpret,
+        num_warps=WARPS.get("fwd_scores", DOT_SPLIT_SCORE_WARPS),
     )
     bso = min(_pow2(n_sites), DOT_SPLIT_SITES)
     bd = min(dh, DOT_SPLIT_COLS)
@@ -2179,7 +2173,6 @@ def _forward_split(
     _kernel("fwd_weigh", interpret)[(_cdiv(M, bm) * dtiles * groups,)](
         base, src_offs, n_src, scores, rstd, n_sites, outs[0], out_offs, lse, M, groups, dtiles,
         D=d, H=heads, DH=dh, BSO=bso, BM=bm, BD=bd, ALIGN=align, num_warps=WARPS.get("fwd_weigh", DOT_SPLIT_WARPS),
-        **({"num_stages": DOT_STAGES["fwd_weigh"]} if "fwd_weigh" in DOT_STAGES else {}),
     )
     return [_new((0,), torch.float32, device), rstd if store_rstd else _new((0,), torch.float32, device)]
 
