@@ -108,9 +108,7 @@ KNOBS = {
     "vector-at-64": {(TR, "DOT_MANY_SITES_MIN_HEAD_WIDTH"): 128},  # the site loop on the vector kernels at head width 64 (100m) whatever the sites (before the eighteenth set)
     "dots-at-64": {(TR, "DOT_MIN_HEAD_WIDTH"): 64},  # the site loop (both passes since the eleventh set) on tensor cores at head width 64 too (100m), whatever the sites (the package: passes of DOT_MANY_SITES sites or more)
     "dot-sources": {(TR, "DOT_SOURCES"): True},  # pass two on tensor cores too: the default since the eleventh set (BENCHMARKS.md)
-    "fwd-unsplit": {(TR, "DOT_FWD_SPLIT"): False},  # phase one's forward as one kernel (mixed over at most 8 sources, else block-diagonal; before the twenty-sixth set)
-    **{f"split-max-{n}": {(TR, "DOT_SPLIT_MAX_SOURCES"): n} for n in (8, 16)},  # ... split over at most n sources only
-    "fwd-block-diag": {(TR, "DOT_FWD_SPLIT"): False, (TR, "DOT_FWD_MIX"): False},  # phase one's forward as block-diagonal products of (token, site) and (token, source) rows (before the twenty-fifth set)
+    "fwd-block-diag": {(TR, "DOT_FWD_MIX"): False},  # phase one's forward as block-diagonal products of (token, site) and (token, source) rows (before the twenty-fifth set)
     **{f"mix-rows-{n}": {(TR, "DOT_MIX_ROWS"): n} for n in (16, 64, 128)},  # the mixed forward's (token, source) rows per tile (the package: 32)
     **{f"mix-w{n}": {(TR, "DOT_MIX_WARPS"): n} for n in (2, 8)},  # ... its warps (the package: 4)
     "mix-all-sources": {(TR, "DOT_MIX_MAX_SOURCES"): 1 << 30},  # ... over any number of sources (the package: at most 8; the twenty-fifth set's call b)

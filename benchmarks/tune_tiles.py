@@ -15,7 +15,7 @@ loop on tensor cores against the vector kernel, by warps and elements per tile,
 (``--shapes passes``) pass one, then both passes, on tensor cores against the vector kernels, and
 (``--shapes dot-tune``) each tensor-core kernel by warps and pipelining stages, then by tile, and
 (``--shapes wide``) passes over more than 64 sources on the vector kernels against tensor-core
-tiles of up to 128 sources, (``--shapes split``) phase one's forward as two kernels by tile against one, (``--shapes min-sources``) passes over 1 to 4 sources on either, and (``--shapes saved-r``) the fused-norm merge of 1 to 7 sources with
+tiles of up to 128 sources, (``--shapes min-sources``) passes over 1 to 4 sources on either, and (``--shapes saved-r``) the fused-norm merge of 1 to 7 sources with
 its backward in two passes against one pass on the routed value r saved in float32 or bf16, and
 (``--shapes padded-sites``) the vector forward of passes whose site count ``FWD_SITES`` does not
 divide, in groups that divide it against padded groups and the tensor-core forward, and (``--shapes
@@ -346,35 +346,6 @@ def main(argv=None):
                 for label, values in mix_settings:
                     with kernel_settings(values):
                         row = dict(shape=f"mix-N{n}-S{sites}-H8", kind="fwd", elements=label, warps=values.get("DOT_MIX_WARPS", "default"))
-                        emit(check_and_time(row, lambda: lambda: fwd()[0], ref_out, bench))
-                del data, fwd, ref_out
-                torch.cuda.empty_cache()
-
-        # "split": phase one's forward alone, H = 8, at the "mix" family's shapes: the kernel it launches
-        # without DOT_FWD_SPLIT (mixed over at most 8 sources, else block-diagonal) against the split
-        # kernels (scores, then weighted sums) by the scores' tile (tokens, warps) and the weighted
-        # sums' tile (tokens, columns, sites, warps); each checked against the first setting's outputs
-        if "split" in families:
-            def split(sr, sw, rows, cols, sites, warps):
-                return (f"split-s{sr}w{sw}-r{rows}c{cols}s{sites}w{warps}",
-                        dict(DOT_FWD_SPLIT=True, DOT_SPLIT_MAX_SOURCES=1 << 30, DOT_SPLIT_SCORE_ROWS=sr, DOT_SPLIT_SCORE_WARPS=sw,
-                             DOT_SPLIT_ROWS=rows, DOT_SPLIT_COLS=cols, DOT_SPLIT_SITES=sites, DOT_SPLIT_WARPS=warps))
-            split_settings = [("unsplit", dict(DOT_FWD_SPLIT=False))] + [
-                split(*t) for t in (
-                    (64, 4, 16, 128, 8, 4), (32, 4, 16, 128, 8, 4), (128, 4, 16, 128, 8, 4), (128, 8, 16, 128, 8, 4), (64, 8, 16, 128, 8, 4),
-                    (64, 4, 8, 128, 8, 4), (64, 4, 32, 128, 8, 8), (64, 4, 16, 128, 8, 8), (64, 4, 16, 128, 4, 4), (64, 4, 16, 128, 2, 4),
-                    (64, 4, 16, 64, 8, 4), (64, 4, 32, 64, 4, 4), (64, 4, 32, 128, 2, 4), (64, 4, 8, 128, 8, 2),
-                )
-            ]
-            for n, sites in ((3, S), (5, S), (8, S), (13, 12), (25, 12), (37, 12)):
-                data = make(M, d, n, sites, 8, seed=n)
-                with kernel_settings(split_settings[0][1]):
-                    fwd, _ = runner(*data, 8)
-                    ref_out = [o.detach().clone() for o in fwd()[0]]
-                bench = lambda fn: do_bench(fn, warmup=5, rep=50, return_mode="median")  # noqa: E731
-                for label, values in split_settings:
-                    with kernel_settings(values):
-                        row = dict(shape=f"split-N{n}-S{sites}-H8", kind="fwd", elements=label, warps=values.get("DOT_SPLIT_WARPS", "default"))
                         emit(check_and_time(row, lambda: lambda: fwd()[0], ref_out, bench))
                 del data, fwd, ref_out
                 torch.cuda.empty_cache()

@@ -355,26 +355,6 @@ DOT_FWD_MIX = True
 DOT_MIX_MAX_SOURCES = 8
 DOT_MIX_ROWS = 32
 DOT_MIX_WARPS = 4
-# ... or, taking precedence where it applies (the same head widths), as two kernels
-# (``_route_fwd_scores`` then ``_route_fwd_weigh``): the first streams every (source, head) tile once
-# through a tensor-core product with the head's weights and writes the scores and key rstd
-# ([N, M, S * H] and [N, M] float32), the second reads the sources again with the scores and
-# writes each site's weighted sum, its tiles (tokens, columns of one head, sites) side by side.
-# Both hold little across their loops, so neither waits on latency the way one kernel holding a
-# token's sources and sites does; the price is one more read of the sources and the scores'
-# round trip (4 * S * H bytes per token and source, 192 at S = 6, H = 8, against 2 * d = 2048 for a
-# bf16 source at 350m). At most DOT_SPLIT_MAX_SOURCES sources (the scores' buffer is N * M * S * H
-# float32, freed after the pass). Tiles: DOT_SPLIT_SCORE_ROWS tokens on DOT_SPLIT_SCORE_WARPS warps
-# for the first; DOT_SPLIT_ROWS tokens, DOT_SPLIT_COLS columns (at most a head's) and
-# DOT_SPLIT_SITES sites on DOT_SPLIT_WARPS warps for the second.
-DOT_FWD_SPLIT = True
-DOT_SPLIT_MAX_SOURCES = 128
-DOT_SPLIT_SCORE_ROWS = 64
-DOT_SPLIT_SCORE_WARPS = 4
-DOT_SPLIT_ROWS = 16
-DOT_SPLIT_COLS = 128
-DOT_SPLIT_SITES = 8
-DOT_SPLIT_WARPS = 4
 # Sites a pass needs for its forward to run there: phase-one passes (one site over many sources
 # keeps the vector forward; not measured there).
 DOT_FWD_MIN_SITES = 2
@@ -1137,101 +1117,6 @@ def _route_fwd_sites_mix(
                      mask=(s_o < n_sites) & tmask[:, None, None])
 
 
-def _route_fwd_scores(
-    src_base, src_offs, n_src, w_ptr, wlo_ptr, n_sites, sc_ptr, rstd_ptr, M, eps,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BSC: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-    # First kernel of phase one's split forward (DOT_FWD_SPLIT): per tile of BM tokens, one loop
-    # over (source, head) pairs, each a [BM, DH] tile of a source read once from memory, forms
-    #   sc[i, t, s * H + h] = <w_s, v_i[t]>_h     [BM, BSC] float32, a tensor-core product of the
-    #                                             tile against the head's weights [DH, BSC] (sites
-    #                                             padded to BSC >= 16 columns, bf16x2 split: hi + lo)
-    #   rstd[i, t] = (mean_c v_i[t, c]^2 + eps)^-1/2   the key RMSNorm's factor, over the whole width
-    # and writes both ([N, M, S * H] and [N, M] float32); the score is rstd * sc (AttnRes eq. 3
-    # with MHAR's heads). Nothing is held across sources or heads but the row's running sum of
-    # squares, so the loop is one pipelined stream of loads.
-    pid = tl.program_id(0)
-    rows = tl.cast(pid, tl.int64) * BM + tl.arange(0, BM)
-    rmask = rows < M
-    c = tl.arange(0, DH)
-    s_c = tl.arange(0, BSC)
-    smask = s_c[None, :] < n_sites
-    sh = n_sites * H
-    sq = tl.full([BM], 0.0, tl.float32)
-    for k in range(n_src * H):
-        i = k // H
-        h = k % H
-        off = tl.multiple_of(tl.load(src_offs + i), ALIGN)
-        v = tl.load(src_base + off + rows[:, None] * D + h * DH + c[None, :], mask=rmask[:, None], other=0.0)  # [BM, DH]
-        vf = v.to(tl.float32)
-        sq = tl.where(h == 0, 0.0, sq) + tl.reduce(vf * vf, 1, _ADD)
-        w_off = s_c[None, :] * D + h * DH + c[:, None]  # [DH, BSC]: the head's weights, transposed
-        w = tl.load(w_ptr + w_off, mask=smask, other=0.0)
-        w_lo = tl.load(wlo_ptr + w_off, mask=smask, other=0.0)
-        if DOT_F32:
-            sc = tl.dot(vf, w.to(tl.float32), input_precision="ieee")
-            sc = tl.dot(vf, w_lo.to(tl.float32), sc, input_precision="ieee")
-        else:
-            sc = tl.dot(v, w)
-            sc = tl.dot(v, w_lo, sc)
-        tl.store(sc_ptr + (tl.cast(i, tl.int64) * M + rows[:, None]) * sh + s_c[None, :] * H + h, sc, mask=rmask[:, None] & smask)
-        tl.store(rstd_ptr + tl.cast(i, tl.int64) * M + rows, 1.0 / tl.sqrt(sq / D + eps), mask=rows < tl.where(h == H - 1, M, 0))
-
-
-def _route_fwd_weigh(
-    src_base, src_offs, n_src, sc_ptr, rstd_ptr, n_sites, out_base, out_offs, lse_ptr, M, n_groups, n_dtiles,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BSO: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-    ALIGN: tl.constexpr,
-):
-    # Second kernel of the split forward: program (token tile, column tile of BD <= DH columns in
-    # head h, group of BSO sites; the groups of one tile run side by side, so a source tile is
-    # read from memory once and from L2 by the others) first forms each site's lse over the
-    # sources from the first kernel's scores (online, float32; written by the head's first column
-    # tile), then
-    #   out_s[t, cols] = sum_i exp(rstd_i[t] * sc[i, t, s, h] - lse[s, t, h]) v_i[t, cols]
-    # source by source in float32 with the next source's tile in flight (AttnRes eq. 2). No token
-    # is mixed with another: a non-finite value stays in its token.
-    pid = tl.program_id(0)
-    grp = pid % n_groups
-    rest = pid // n_groups
-    dtile = rest % n_dtiles
-    mtile = rest // n_dtiles
-    rows = tl.cast(mtile, tl.int64) * BM + tl.arange(0, BM)
-    rmask = rows < M
-    col = dtile * BD + tl.arange(0, BD)
-    h = (dtile * BD) // DH
-    s_o = grp * BSO + tl.arange(0, BSO)
-    smask = s_o[None, :] < n_sites
-    sh = n_sites * H
-    sc_off = rows[:, None] * sh + s_o[None, :] * H + h  # [BM, BSO]
-    mx = tl.full([BM, BSO], float("-inf"), tl.float32)
-    l = tl.full([BM, BSO], 0.0, tl.float32)
-    for i in range(n_src):
-        r = tl.load(rstd_ptr + tl.cast(i, tl.int64) * M + rows, mask=rmask, other=1.0)
-        s = tl.load(sc_ptr + tl.cast(i, tl.int64) * M * sh + sc_off, mask=rmask[:, None] & smask, other=0.0) * r[:, None]
-        m_new = tl.maximum(mx, s)
-        l = l * tl.exp(mx - m_new) + tl.exp(s - m_new)
-        mx = m_new
-    lse = mx + tl.log(l)
-    first = (dtile * BD) % DH == 0
-    tl.store(lse_ptr + (s_o[None, :].to(tl.int64) * M + rows[:, None]) * H + h, lse, mask=(rows < tl.where(first, M, 0))[:, None] & smask)
-    acc = tl.full([BM, BSO, BD], 0.0, tl.float32)
-    off = tl.multiple_of(tl.load(src_offs), ALIGN)
-    v_next = tl.load(src_base + off + rows[:, None] * D + col[None, :], mask=rmask[:, None], other=0.0)
-    for i in range(n_src):
-        v = v_next.to(tl.float32)
-        off = tl.multiple_of(tl.load(src_offs + i + 1), ALIGN)  # (the table has one entry more)
-        v_next = tl.load(src_base + off + rows[:, None] * D + col[None, :], mask=(rows < tl.where(i + 1 < n_src, M, 0))[:, None], other=0.0)
-        r = tl.load(rstd_ptr + tl.cast(i, tl.int64) * M + rows, mask=rmask, other=1.0)
-        s = tl.load(sc_ptr + tl.cast(i, tl.int64) * M * sh + sc_off, mask=rmask[:, None] & smask, other=0.0) * r[:, None]
-        a = tl.exp(s - lse)  # [BM, BSO]
-        acc += a[:, :, None] * v[:, None, :]
-    o_off = tl.load(out_offs + s_o, mask=s_o < n_sites, other=0)  # [BSO]
-    tl.store(out_base + o_off[None, :, None] + rows[:, None, None] * D + col[None, None, :], acc.to(out_base.dtype.element_ty),
-             mask=rmask[:, None, None] & smask[:, :, None])
-
-
 def _route_fwd_sites_dot(
     src_base, src_offs, n_src,
     w_ptr, wlo_ptr, n_sites,
@@ -1891,7 +1776,7 @@ def _kernel(name: str, interpret: bool):
     """
     fn = {
         "fwd": _route_fwd, "bwd": _route_bwd, "bwd_stats": _route_bwd_stats, "bwd_sources": _route_bwd_sources,
-        "fwd_sites_dot": _route_fwd_sites_dot, "fwd_sites_mix": _route_fwd_sites_mix, "fwd_scores": _route_fwd_scores, "fwd_weigh": _route_fwd_weigh, "bwd_stats_dot": _route_bwd_stats_dot, "bwd_sources_dot": _route_bwd_sources_dot,
+        "fwd_sites_dot": _route_fwd_sites_dot, "fwd_sites_mix": _route_fwd_sites_mix, "bwd_stats_dot": _route_bwd_stats_dot, "bwd_sources_dot": _route_bwd_sources_dot,
         "decode": _decode_route_norm,
     }[name]
     if interpret:
@@ -2098,8 +1983,6 @@ def _forward(
         w_lo = (w - w_hi.float()).to(torch.bfloat16)
         dhp, dt_dot = _dot_lanes(d // heads)
         src_offs, out_offs = _offsets(srcs, base), _offsets(outs, outs[0])
-        if DOT_FWD_SPLIT and dt_dot == 0 and dhp == d // heads and n_src <= DOT_SPLIT_MAX_SOURCES:
-            return [*outs, lse, *_forward_split(srcs, src_offs, w_hi, w_lo, outs, out_offs, lse, heads, eps, store_rstd, interpret)]
         if DOT_FWD_MIX and dt_dot == 0 and dhp == d // heads and n_src <= DOT_MIX_MAX_SOURCES:
             bs_mix, bso_mix, bn_mix, bm_mix = _mix_tile(n_sites, n_src)
             tiles = _cdiv(M, bm_mix)
@@ -2143,38 +2026,6 @@ def _forward(
         NORM=norm_weight is not None, STORE_ROUTED=save_routed, num_warps=warps,
     )
     return [*outs, lse, scores, rstd, *routed]
-
-
-def _forward_split(
-    srcs: list[Tensor], src_offs: Tensor, w_hi: Tensor, w_lo: Tensor, outs: list[Tensor], out_offs: Tensor, lse: Tensor,
-    heads: int, eps: float, store_rstd: bool, interpret: bool,
-) -> list[Tensor]:
-    """Phase one's forward as two kernels (``DOT_FWD_SPLIT``; ``_route_fwd_scores`` then
-    ``_route_fwd_weigh``): writes every site's output into ``outs`` and its lse into ``lse``
-    (``[S, ..., H]`` float32) and returns ``[scores, rstd]`` as :func:`_forward` does (no stored
-    scores; the key rstd ``[N, M]`` float32 where ``store_rstd``, else empty). ``srcs`` are bf16 (or,
-    in the interpreter, any dtype) at a head width that is a power of two of at least 16."""
-    base, device = srcs[0], srcs[0].device
-    d, n_src, n_sites = base.shape[-1], len(srcs), w_hi.shape[0]
-    M, dh = base.numel() // d, d // heads
-    scores = _new((n_src, M, n_sites * heads), torch.float32, device)
-    rstd = _new((n_src, M), torch.float32, device)
-    align = 16 // base.element_size()
-    bm = INTERPRET_ROWS if interpret else DOT_SPLIT_SCORE_ROWS
-    _kernel("fwd_scores", interpret)[(_cdiv(M, bm),)](
-        base, src_offs, n_src, w_hi, w_lo, n_sites, scores, rstd, M, eps,
-        D=d, H=heads, DH=dh, BSC=max(16, _pow2(n_sites)), BM=bm, ALIGN=align, DOT_F32=interpret,
-        num_warps=WARPS.get("fwd_scores", DOT_SPLIT_SCORE_WARPS),
-    )
-    bso = min(_pow2(n_sites), DOT_SPLIT_SITES)
-    bd = min(dh, DOT_SPLIT_COLS)
-    bm = INTERPRET_ROWS if interpret else DOT_SPLIT_ROWS
-    groups, dtiles = _cdiv(n_sites, bso), d // bd
-    _kernel("fwd_weigh", interpret)[(_cdiv(M, bm) * dtiles * groups,)](
-        base, src_offs, n_src, scores, rstd, n_sites, outs[0], out_offs, lse, M, groups, dtiles,
-        D=d, H=heads, DH=dh, BSO=bso, BM=bm, BD=bd, ALIGN=align, num_warps=WARPS.get("fwd_weigh", DOT_SPLIT_WARPS),
-    )
-    return [_new((0,), torch.float32, device), rstd if store_rstd else _new((0,), torch.float32, device)]
 
 
 def _source_grad_targets(sink: Optional[SinkBinding], n_src: int, like: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor], int]:

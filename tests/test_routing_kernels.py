@@ -624,41 +624,23 @@ def fwd_dot_kernel(d: int, heads: int, n: int = 1) -> str:
     sources launches: ``fwd_sites_mix`` (DOT_FWD_MIX) where a head's width is one power-of-two tile
     and the sources are at most DOT_MIX_MAX_SOURCES, else ``fwd_sites_dot``."""
     dhp, dt = tr._dot_lanes(d // heads)
-    one_tile = dt == 0 and dhp == d // heads
-    if tr.DOT_FWD_SPLIT and one_tile and n <= tr.DOT_SPLIT_MAX_SOURCES:
-        return "fwd_scores"
-    mix = tr.DOT_FWD_MIX and one_tile and n <= tr.DOT_MIX_MAX_SOURCES
+    mix = tr.DOT_FWD_MIX and dt == 0 and dhp == d // heads and n <= tr.DOT_MIX_MAX_SOURCES
     return "fwd_sites_mix" if mix else "fwd_sites_dot"
 
 
-# phase one's forward kernels: split (scores, then weighted sums; here also on tiles smaller than a
-# head, two sites a group and three token tiles), mixed, block-diagonal
-FWD_KERNELS = {
-    "split": dict(DOT_FWD_SPLIT=True),
-    "split-small-tiles": dict(DOT_FWD_SPLIT=True, DOT_SPLIT_COLS=16, DOT_SPLIT_SITES=2, INTERPRET_ROWS=16),
-    "mix": dict(DOT_FWD_SPLIT=False, DOT_FWD_MIX=True),
-    "block-diagonal": dict(DOT_FWD_SPLIT=False, DOT_FWD_MIX=False),
-}
-
-
-def use_fwd_kernel(monkeypatch, kernel: str) -> None:
-    for name, value in FWD_KERNELS[kernel].items():
-        monkeypatch.setattr(tr, name, value)
-
-
-@pytest.mark.parametrize("kernel", list(FWD_KERNELS))
+@pytest.mark.parametrize("mix", [True, False], ids=["mix", "block-diagonal"])
 @pytest.mark.parametrize(
     "n,sites,heads,d,tokens,dtype,spread", DOT_FWD_CASES,
     ids=[f"N{c[0]}-S{c[1]}-H{c[2]}-d{c[3]}-T{c[4]}-x{c[6]:g}" for c in DOT_FWD_CASES],
 )
-def test_phase_one_forward_on_tensor_cores_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype, spread, kernel):
-    """Phase one's forward on tensor cores (``_route_fwd_sites_dot``; where the head width is one
-    power-of-two tile ``_route_fwd_scores`` + ``_route_fwd_weigh`` with ``split``, ``_route_fwd_sites_mix``
-    with ``mix``): the kernel ran; every site's output, the lse and the saved key rstd against float64
-    (the outputs within the bf16 tolerance, lse and rstd as float32 values, up to the bf16x2 split of
-    the weights); the outputs within rounding of the vector kernel's and as close to float64; queries
-    at ``spread`` times the usual scale too."""
-    use_fwd_kernel(monkeypatch, kernel)
+def test_phase_one_forward_on_tensor_cores_matches_float64_reference(monkeypatch, n, sites, heads, d, tokens, dtype, spread, mix):
+    """Phase one's forward on tensor cores (``_route_fwd_sites_dot``, and with ``mix``
+    ``_route_fwd_sites_mix`` where the head width is one power-of-two tile): the kernel ran; every site's
+    output, the lse and the saved key rstd against float64 (the outputs within the bf16 tolerance,
+    lse and rstd as float32 values, up to the bf16x2 split of the weights); the outputs within
+    rounding of the vector kernel's and as close to float64; queries at ``spread`` times the usual
+    scale too."""
+    monkeypatch.setattr(tr, "DOT_FWD_MIX", mix)
     monkeypatch.setattr(tr, "DOT_MIX_MAX_SOURCES", 1 << 30)  # the mixed kernel over any number of sources here
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
@@ -694,13 +676,13 @@ def test_phase_one_forward_on_tensor_cores_matches_float64_reference(monkeypatch
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy, computing with the inf
-@pytest.mark.parametrize("kernel", list(FWD_KERNELS))
+@pytest.mark.parametrize("mix", [True, False], ids=["mix", "block-diagonal"])
 @pytest.mark.parametrize("d,column", [(32, 3), (96, 40)], ids=["width16", "width48-two-tiles-inf-in-the-second"])
-def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token(monkeypatch, d, column, kernel):
+def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token(monkeypatch, d, column, mix):
     """An inf in one token of one source makes that token's outputs non-finite, as on the vector
     kernel, and leaves the other tokens of its tile finite and equal to a run without the inf; at
-    head width 48 (two column tiles) with the inf in the second; on every forward kernel."""
-    use_fwd_kernel(monkeypatch, kernel)
+    head width 48 (two column tiles) with the inf in the second; on either forward kernel."""
+    monkeypatch.setattr(tr, "DOT_FWD_MIX", mix)
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "POISON_OUTPUTS", False)
@@ -713,9 +695,7 @@ def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token
     outs = tr._forward(srcs, queries, gains, 2, 1e-6, None, None, None, None, False)
     dhp, dt = tr._dot_lanes(d // 2)
     assert dt == 0 if d == 32 else (dt > 0 and column % (d // 2) >= dhp)  # at width 48, a column of the second tile
-    tokens_per_tile = {
-        "fwd_scores": tr.INTERPRET_ROWS, "fwd_sites_mix": tr._mix_tile(2, 3)[3], "fwd_sites_dot": tr._dot_tile(2, 3, d // 2)[2],
-    }[fwd_dot_kernel(d, 2, 3)]
+    tokens_per_tile = tr._mix_tile(2, 3)[3] if fwd_dot_kernel(d, 2, 3) == "fwd_sites_mix" else tr._dot_tile(2, 3, d // 2)[2]
     assert fwd_dot_kernel(d, 2, 3) in launched and tokens_per_tile > 5  # several tokens per tile
     for k in range(2):
         assert not torch.isfinite(outs[k][5]).all()
@@ -724,12 +704,10 @@ def test_phase_one_forward_on_tensor_cores_keeps_a_non_finite_value_to_its_token
 
 
 @pytest.mark.parametrize("n", [3, 8, 9])
-def test_phase_one_forward_kernel_follows_the_settings(monkeypatch, n):
+def test_phase_one_forward_mixes_over_at_most_eight_sources(monkeypatch, n):
     """With the package's settings, a phase-one forward at a head width of one power-of-two tile
-    launches the split kernels (scores, then weighted sums); without DOT_FWD_SPLIT, the mixed kernel
-    over 3 to DOT_MIX_MAX_SOURCES (8) sources and the block-diagonal one over more; over more than
-    DOT_SPLIT_MAX_SOURCES sources, the one it would launch without; all give the same outputs up to
-    rounding and the same lse."""
+    launches the mixed kernel over 3 to DOT_MIX_MAX_SOURCES (8) sources and the block-diagonal one
+    over more, and both give the same outputs up to rounding."""
     monkeypatch.setattr(tr, "DOT_MIN_HEAD_WIDTH", 16)
     monkeypatch.setattr(tr, "DOT_FWD_MIN_HEAD_WIDTH", 16)
     launched = spy_launches(monkeypatch)
@@ -737,18 +715,15 @@ def test_phase_one_forward_kernel_follows_the_settings(monkeypatch, n):
     srcs = [torch.randn(11, 64, generator=g).to(DEVICE, torch.bfloat16) for _ in range(n)]
     queries, gains = (0.5 * torch.randn(4, 64, generator=g)).to(DEVICE), (1 + 0.3 * torch.randn(4, 64, generator=g)).to(DEVICE)
     outs = tr._forward(srcs, queries, gains, 2, 1e-6, None, None, None, None, False)
-    assert launched == ["fwd_scores", "fwd_weigh"], launched
-    unsplit = ["fwd_sites_mix"] if n <= 8 else ["fwd_sites_dot"]
-    for settings in (dict(DOT_FWD_SPLIT=False), dict(DOT_SPLIT_MAX_SOURCES=n - 1)):
-        with monkeypatch.context() as m:
-            for name, value in settings.items():
-                m.setattr(tr, name, value)
-            launched.clear()
-            other = tr._forward(srcs, queries, gains, 2, 1e-6, None, None, None, None, False)
-        assert launched == unsplit, (settings, launched)
-        for k in range(4):
-            assert bf16_flips(outs[k], other[k]) < 0.05 and rel_err(outs[k], other[k]) < 1e-2
-        torch.testing.assert_close(outs[4], other[4], rtol=1e-5, atol=1e-5)  # lse
+    assert launched == (["fwd_sites_mix"] if n <= 8 else ["fwd_sites_dot"]), launched
+    monkeypatch.setattr(tr, "DOT_FWD_MIX", not tr.DOT_FWD_MIX if n <= 8 else tr.DOT_FWD_MIX)
+    monkeypatch.setattr(tr, "DOT_MIX_MAX_SOURCES", 8 if n <= 8 else n)
+    launched.clear()
+    other = tr._forward(srcs, queries, gains, 2, 1e-6, None, None, None, None, False)
+    assert launched == (["fwd_sites_dot"] if n <= 8 else ["fwd_sites_mix"]), launched
+    for k in range(4):
+        assert bf16_flips(outs[k], other[k]) < 0.05 and rel_err(outs[k], other[k]) < 1e-2
+    torch.testing.assert_close(outs[4], other[4], rtol=1e-5, atol=1e-5)  # lse
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
