@@ -212,14 +212,20 @@ def _is_special_ckpt_path(ckpt_path: str) -> bool:
 
 
 def check_trainer_limits(max_steps: Any, max_epochs: Any) -> None:
-    """Raises ValueError for a ``trainer.max_steps`` or ``trainer.max_epochs`` Lightning would
-    refuse only once the Trainer is built: each is -1 (no limit) or an integer >= 0 (max_epochs
-    may be None too). Used by the fit CLI before any data or model work."""
+    """Raises ValueError for a ``trainer.max_steps`` or ``trainer.max_epochs`` that is not -1 (no
+    limit) or an integer >= 1 (max_epochs may be None too): Lightning refuses the negative ones
+    only once the Trainer is built, and takes 0 as a fit that trains nothing and still opens an
+    MLflow run and a run folder. Used by the fit CLI before any data or model work."""
     for name, value, unset in (("max_steps", max_steps, False), ("max_epochs", max_epochs, True)):
         if value is None and unset:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-            raise ValueError(f"trainer.{name}={value!r} must be -1 (no limit) or an integer >= 0" + (" (or unset)" if unset else ""))
+            raise ValueError(f"trainer.{name}={value!r} must be -1 (no limit) or an integer >= 1" + (" (or unset)" if unset else ""))
+        if value == 0:
+            raise ValueError(
+                f"trainer.{name}=0 would fit no step (and log an empty run); give -1 (no limit) or an integer >= 1"
+                + (" (or leave it unset)" if unset else "") + ", or evaluate a checkpoint with `lit-mhar validate --ckpt_path CKPT`"
+            )
 
 
 def check_ckpt_path(ckpt_path: Any) -> None:
@@ -358,7 +364,7 @@ class LitMharCLI(LightningCLI):
       prefixed ``validate-``, ``test-`` or ``predict-`` for those commands (MLflow's random names
       repeat under a fixed seed: ``seed_everything`` seeds them);
     * ``fit --checkpoint.dirpath`` holding checkpoints is refused (:func:`check_checkpoint_dirpath`),
-      as is a ``trainer.max_steps`` or ``max_epochs`` below -1 (:func:`check_trainer_limits`), and a
+      as is a ``trainer.max_steps`` or ``max_epochs`` of 0 or below -1 (:func:`check_trainer_limits`), and a
       resume whose data settings or ``max_steps`` cannot continue the checkpoint (:func:`check_resume`),
       and ``validate`` / ``test`` / ``predict`` without ``--ckpt_path`` print a note that they run a fresh model.
     """
@@ -461,6 +467,10 @@ class LitMharCLI(LightningCLI):
             from lit_mhar.module import fsdp_strategy
 
             kwargs["strategy"] = fsdp_strategy()
+        if self.subcommand in ("validate", "test", "predict"):
+            # these save no checkpoint: the checkpoint callback's state, restored from --ckpt_path,
+            # is only kept, so its note that this run's folder is not the checkpoint's run's is noise
+            warnings.filterwarnings("ignore", message="The dirpath has changed from", category=UserWarning)
         return super().instantiate_trainer(**kwargs)
 
 

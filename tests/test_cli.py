@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -400,7 +401,8 @@ def test_missing_ckpt_path_fails_before_the_logger_and_run_folder_exist(tmp_path
 def test_fit_refuses_negative_step_and_epoch_limits_before_any_work(tmp_path, monkeypatch, capsys):
     """``--trainer.max_steps -5`` (Lightning refuses it only once the Trainer exists, with a
     traceback): exit 2, one line naming the value and what is valid, before the data, the run
-    folder or the MLflow store exist. -1 (no limit), 0 and None (epochs) pass the check."""
+    folder or the MLflow store exist; so is 0 (a fit of no step, which Lightning would run and log as
+    an empty run), with its own message. -1 (no limit), positive limits and None (epochs) pass the check."""
     from lit_mhar.cli.lightning import check_trainer_limits
 
     monkeypatch.chdir(tmp_path)
@@ -410,10 +412,17 @@ def test_fit_refuses_negative_step_and_epoch_limits_before_any_work(tmp_path, mo
         name = flag.split(".")[-1]
         unset = " (or unset)" if name == "max_epochs" else ""
         assert error_lines(capsys.readouterr().err) == [
-            f"lit-mhar fit: error: trainer.{name}={value} must be -1 (no limit) or an integer >= 0{unset} (LIT_MHAR_DEBUG=1 shows the traceback)"
+            f"lit-mhar fit: error: trainer.{name}={value} must be -1 (no limit) or an integer >= 1{unset} (LIT_MHAR_DEBUG=1 shows the traceback)"
         ]
         assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "data").exists()
-    for steps, epochs in ((-1, None), (0, -1), (7, 3)):
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", *fit_args(tmp_path / "data", tmp_path, "--trainer.max_steps", "0")])
+    assert main() == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert line.startswith("lit-mhar fit: error: trainer.max_steps=0 would fit no step") and "lit-mhar validate --ckpt_path" in line, line
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "data").exists()
+    with pytest.raises(ValueError, match="max_epochs=0 would fit no step"):
+        check_trainer_limits(5, 0)
+    for steps, epochs in ((-1, None), (1, -1), (7, 3)):
         check_trainer_limits(steps, epochs)
     with pytest.raises(ValueError, match="max_steps=None must be"):
         check_trainer_limits(None, None)
@@ -458,6 +467,29 @@ def test_validate_without_a_checkpoint_says_so_and_names_its_run_after_the_comma
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("lit-mhar").experiment_id])
     assert run.info.run_name.startswith("validate-debug-prenorm-H1-S1-"), run.info.run_name
+
+
+def test_validate_from_a_checkpoint_leaves_it_alone_and_does_not_warn_about_checkpoint_folders(small_corpus, tmp_path):
+    """``validate --ckpt_path`` scores the checkpoint without Lightning's note that the checkpoint
+    callback's folder changed (validate saves no checkpoint), leaves the checkpoint untouched, and
+    logs a run of its own, ``validate-...``, whose folder holds its ``config.yaml`` and no checkpoint."""
+    main(fit_args(small_corpus, tmp_path, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2"))
+    (ckpt,) = (tmp_path / "runs").rglob("last.ckpt")
+    before = ckpt.read_bytes()
+    args = fit_args(small_corpus, tmp_path, "--trainer.limit_val_batches", "1", "--ckpt_path", str(ckpt))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(["validate", *args[1:]])
+    assert not [w for w in caught if "dirpath has changed" in str(w.message)], [str(w.message) for w in caught]
+    assert ckpt.read_bytes() == before
+    assert [p for p in (tmp_path / "runs").rglob("*.ckpt") if p.parent != ckpt.parent] == []
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("lit-mhar").experiment_id])
+    (validate,) = [r for r in runs if r.info.run_name.startswith("validate-")]
+    assert "val/loss" in validate.data.metrics
+    assert (tmp_path / "runs" / validate.info.experiment_id / validate.info.run_id / "config.yaml").is_file()
 
 
 def test_fit_says_where_it_saved_the_run_and_checkpoints(small_corpus, tmp_path, capsys):
