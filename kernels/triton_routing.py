@@ -218,6 +218,10 @@ SAVE_ROUTED_MIN_SOURCES = 3  # (at 2 sources the merge measured 2-9% faster: not
 # in float32 in place of the bf16 prior keeps 2 bytes per element more per merge that saves it
 # (2.0 GiB at 100m, 1.9 at 350m), so off. A benchmark knob (``additive-saved-r``).
 SAVE_ROUTED_ADDITIVE = False
+# The two-pass backward over exactly one source (block routing's merges: the block's running sum)
+# keeps pass one's source, rstd, scores and weights for pass two (``ONE``), where pass two would
+# reload the source and reduce its squares and scores over the width again. A benchmark knob.
+ONE_SOURCE_MERGE = True
 SAVED_ROUTED_DTYPE: Optional[torch.dtype] = torch.float32
 # Head widths d/H that are a sum of two powers of two (96 = 64 + 32; 160 = 128 + 32 at 1b with
 # H = 8) are held by the training kernels as two tiles per head instead of one padded to the next
@@ -531,7 +535,7 @@ def _route_bwd(
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_DLSE: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
     STREAM_ACC: tl.constexpr, REPLAY: tl.constexpr, REBUILD: tl.constexpr, SAVED_R: tl.constexpr, N_PRE: tl.constexpr,
-    HAS_RSTD: tl.constexpr,
+    HAS_RSTD: tl.constexpr, ONE: tl.constexpr,
 ):
     # Source i's gradient goes to dsrc_base + dsrc_offs[i]; with ACC, sources i < n_acc add to it
     # acc_base + acc_offs[i] (a gradient sink's sum so far, see _route_bwd_sources). With
@@ -552,6 +556,9 @@ def _route_bwd(
     # is formed as D - sum_i alpha_i <dr, v_i>_h - p_alpha D after it.
     # With HAS_RSTD each source's key rstd ([N, M] float32, the forward's, SAVE_RSTD_MERGES) is loaded
     # in both passes instead of reducing each source tile over the width (across warps) again.
+    # With ONE (exactly one source, DT == 0, none of REBUILD, SAVED_R, HAS_RSTD: block routing's
+    # merges) pass one keeps the source, its rstd, scores and weights in registers for pass two,
+    # which then neither reloads the source nor reduces its squares and scores over the width again.
     # Every lane tensor has a twin ``*_t`` over each head's last DT channels when DT > 0 (see
     # _route_fwd); sums over a head add the two.
     pid = tl.program_id(0)
@@ -650,7 +657,20 @@ def _route_bwd(
                 racc += tl.reduce(p_alpha * po, 0, _ADD, keep_dims=True)
                 if DT > 0:
                     racc_t += tl.reduce(p_alpha * po_t, 0, _ADD, keep_dims=True)
-        if not SAVED_R:  # pass one proper
+        if ONE:  # pass one over the one source, whose values pass two reuses
+            off = tl.multiple_of(tl.load(src_offs), ALIGN)
+            v1 = tl.load(src_base + off + x_off, mask=xmask, other=0.0).to(tl.float32)
+            sq1 = tl.reduce(tl.reduce(v1 * v1, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
+            rstd1 = 1.0 / tl.sqrt(sq1 / D + eps)  # [1, BM, 1, 1]
+            s1 = tl.reduce(w * v1, 3, _ADD, keep_dims=True) * rstd1  # [BS, BM, BH, 1]
+            alpha1 = tl.where(shmask, tl.exp(s1 - lse), 0.0)
+            if not NORM:
+                dsum += alpha1 * tl.reduce(dr * v1, 3, _ADD, keep_dims=True)
+            if ADDITIVE or NORM:
+                racc += tl.reduce(alpha1 * v1, 0, _ADD, keep_dims=True)
+            if REPLAY:
+                hs = hs + v1
+        elif not SAVED_R:  # pass one proper
             off = tl.multiple_of(tl.load(src_offs), ALIGN)
             v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
             if DT > 0:
@@ -794,10 +814,27 @@ def _route_bwd(
                 tl.store(dprior_lse_ptr + hm_off, p_alpha * (p_a - dsum), mask=hmask)
 
         # pass 2: every source gradient, and dw summed over this program's tokens
+        if ONE:
+            if ACC:
+                a_off = tl.multiple_of(tl.load(acc_offs), ALIGN)
+                acc = tl.load(acc_base + a_off + x_off, mask=(rows < tl.where(n_acc > 0, M, 0)) & cmask, other=0.0)
+            ds = alpha1 * (tl.reduce(dr * v1, 3, _ADD, keep_dims=True) - dsum)
+            t = tl.reduce(tl.reduce(ds * s1, 2, _ADD, keep_dims=True), 0, _ADD, keep_dims=True) / D  # [1, BM, 1, 1]
+            dv = tl.reduce(alpha1 * dr, 0, _ADD, keep_dims=True)  # through the weighted sum
+            dv += rstd1 * tl.reduce(ds * w, 0, _ADD, keep_dims=True)  # through the score
+            dv -= v1 * (rstd1 * rstd1 * t)  # through the key's rstd
+            if ACC:
+                dv += acc.to(tl.float32)
+            d_off = tl.multiple_of(tl.load(dsrc_offs), ALIGN)
+            tl.store(dsrc_base + d_off + x_off, dv.to(dsrc_base.dtype.element_ty), mask=xmask)
+            dw_acc += tl.reduce(ds * (v1 * rstd1), 1, _ADD, keep_dims=True)
+        n_two = n_src  # pass two's loop: none after ONE's
+        if ONE:
+            n_two = 0
         off = tl.multiple_of(tl.load(src_offs), ALIGN)
-        v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 0, M, 0)) & cmask, other=0.0)
+        v_next = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_two > 0, M, 0)) & cmask, other=0.0)
         if DT > 0:
-            v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 0, M, 0)) & (h_i < H), other=0.0)
+            v_next_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_two > 0, M, 0)) & (h_i < H), other=0.0)
         if REBUILD:  # the running sum again, as in pass one
             for k in range(1, n_rep):
                 o_off = tl.multiple_of(tl.load(src_offs + k), ALIGN)
@@ -819,7 +856,7 @@ def _route_bwd(
             v_next2 = tl.load(src_base + off + x_off, mask=(rows < tl.where(n_src > 1, M, 0)) & cmask, other=0.0)
             if DT > 0:
                 v_next2_t = tl.load(src_base + off + x_off_t, mask=(rows < tl.where(n_src > 1, M, 0)) & (h_i < H), other=0.0)
-        for i in range(n_src):
+        for i in range(n_two):
             v = v_next.to(tl.float32)
             if ACC:  # the sink's addend, issued before the products: its latency overlaps them
                 a_off = tl.multiple_of(tl.load(acc_offs + i), ALIGN)
@@ -2161,6 +2198,7 @@ def _backward(
     if has_rstd and tuple(rstd.shape) != (n_src, M):
         raise ValueError(f"triton depth routing: saved rstd has shape {tuple(rstd.shape)}, expected {(n_src, M)}")
     flags["HAS_RSTD"] = has_rstd
+    flags["ONE"] = ONE_SOURCE_MERGE and n_src == 1 and dt == 0 and not flags["REBUILD"] and not saved_routed and not has_rstd
     rstd_arg = rstd.contiguous() if has_rstd else dummy
     if saved_routed and (norm_weight is None or prior_out is None or flags["REBUILD"]):
         raise ValueError("triton depth routing: a saved routed value stands for the prior of a fused norm's merge (not a rebuilt block's)")

@@ -478,15 +478,18 @@ def bf16_flips(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 class Launches(list):
-    """Names of the kernels launched, in order; ``warps``: each launch's ``num_warps``."""
+    """Names of the kernels launched, in order; ``warps``: each launch's ``num_warps``; ``flags``: its
+    keyword arguments (the constexpr flags and launch options)."""
 
     def __init__(self):
         super().__init__()
         self.warps: list = []
+        self.flags: list = []
 
     def clear(self):
         super().clear()
         self.warps.clear()
+        self.flags.clear()
 
 
 def spy_launches(monkeypatch) -> Launches:
@@ -505,6 +508,7 @@ def spy_launches(monkeypatch) -> Launches:
             def launch(*args, **kwargs):
                 launched.append(self.name)
                 launched.warps.append(kwargs.get("num_warps"))
+                launched.flags.append(kwargs)
                 return run(*args, **kwargs)
 
             return launch
@@ -956,6 +960,58 @@ def merge_norm_id(n, h, d, t, dt, add):
 @pytest.mark.parametrize("n,heads,d,tokens,dtype,additive", MERGE_NORM_CPU, ids=[merge_norm_id(*c) for c in MERGE_NORM_CPU])
 def test_merge_route_norm_matches_float64_reference(n, heads, d, tokens, dtype, additive):
     check_merge_route_norm(n, heads, d, tokens, dtype, additive)
+
+
+ONE_SOURCE_CASES = [
+    (1, 64, 37, torch.bfloat16, False, False), (8, 256, 19, torch.bfloat16, False, True), (2, 128, 70, torch.float32, False, True),
+    (4, 128, 9, torch.float32, True, False), (2, 64, 33, torch.bfloat16, True, True), (4, 1000, 5, torch.float32, False, False),
+]
+
+
+@pytest.mark.parametrize(
+    "heads,d,tokens,dtype,additive,sink", ONE_SOURCE_CASES,
+    ids=[f"H{c[0]}-d{c[1]}-T{c[2]}-{str(c[3])[6:]}-{'additive' if c[4] else 'replace'}{'-sink' if c[5] else ''}" for c in ONE_SOURCE_CASES],
+)
+def test_merge_over_one_source_reuses_pass_one_with_identical_results(monkeypatch, heads, d, tokens, dtype, additive, sink):
+    """A fused-norm merge over one source (block routing's merges over the running sum) runs the
+    two-pass backward with ONE (pass two reuses pass one's source, rstd, scores and weights) and
+    gives bit-identical outputs and gradients to the general loop (ONE_SOURCE_MERGE off), with and
+    without a gradient sink; within the bf16 / float32 tolerance of float64 (the sink's sums too)."""
+    launched = spy_launches(monkeypatch)
+    g = torch.Generator().manual_seed(d + tokens)
+    shape = (tokens, d) if tokens % 2 else (2, tokens // 2, d)
+    source = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    prior = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    prior_lse = (torch.randn((*shape[:-1], heads), generator=g) + 1).to(DEVICE)
+    query = (2.0 * (heads / d) ** 0.5 * torch.randn(d, generator=g)).to(DEVICE)
+    gain, weight = (1 + 0.3 * torch.randn(2, d, generator=g)).to(DEVICE).unbind(0)
+    extra = (torch.randn(shape, generator=g).to(DEVICE), torch.randn(d, generator=g).to(DEVICE)) if additive else ()
+    dy = torch.randn(shape, generator=g, dtype=torch.float64).to(DEVICE)
+
+    def run(impl, double=False):
+        xs = [x.detach().double() if double else x.detach() for x in (source, query, gain, prior, prior_lse, weight, *extra)]
+        xs = [x.requires_grad_() for x in xs]
+        if sink:
+            s_ = GradientSink()
+            src = s_.collect(xs[0])
+            y = impl([src], xs[1], xs[2], heads, xs[3], xs[4], xs[5], 1e-5, *xs[6:], grad_sink=s_)
+        else:
+            y = impl([xs[0]], xs[1], xs[2], heads, xs[3], xs[4], xs[5], 1e-5, *xs[6:])
+        return [y, *torch.autograd.grad(y, xs, dy.to(y.dtype), allow_unused=True, materialize_grads=True)]
+
+    runs = {}
+    for one in (True, False):
+        monkeypatch.setattr(tr, "ONE_SOURCE_MERGE", one)
+        launched.clear()
+        runs[one] = run(tr.merge_route_norm)
+        (bwd,) = [f for name, f in zip(launched, launched.flags) if name == "bwd"]
+        assert bwd["ONE"] == one, bwd
+    for a, b in zip(runs[True], runs[False]):
+        assert torch.equal(a, b)
+    ref = run(reference.merge_route_norm, double=True)
+    for a, r in zip(runs[True], ref):
+        if r.any():
+            assert rel_err(a, r) < TOL[dtype]
 
 
 MERGE_NORM_GPU = [
