@@ -94,6 +94,7 @@ KNOBS = {
     "fwd8": {(TR, "FWD_SITES"): 8},
     "rstd0": {(TR, "SAVE_RSTD"): False},
     "one-source-loop": {(TR, "ONE_SOURCE_MERGE"): False},  # merges over one source run pass two's general loop (reload the source, reduce again; before the twenty-seventh set)
+    "no-tile-prefetch": {(TR, "TILE_PREFETCH"): False},  # the replacement form's one-source merges load each tile's inputs when they reach it
     "merge-rstd": {(TR, "SAVE_RSTD_MERGES"): True},  # the merges save each source's key rstd for their backward (not the default: not yet measured)  # the site loop's backward recomputes each source's key rstd
     "stats2": {(TR, "STATS_SITES"): 2},  # two sites per program of the site loop's pass one
     "stats4": {(TR, "STATS_SITES"): 4},

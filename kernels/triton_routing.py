@@ -222,6 +222,9 @@ SAVE_ROUTED_ADDITIVE = False
 # keeps pass one's source, rstd, scores and weights for pass two (``ONE``), where pass two would
 # reload the source and reduce its squares and scores over the width again. A benchmark knob.
 ONE_SOURCE_MERGE = True
+# ... and, for the replacement form's fused-norm merge, loads each program's next tile while it
+# computes on this one (``TILE_PF``). A benchmark knob.
+TILE_PREFETCH = True
 SAVED_ROUTED_DTYPE: Optional[torch.dtype] = torch.float32
 # Head widths d/H that are a sum of two powers of two (96 = 64 + 32; 160 = 128 + 32 at 1b with
 # H = 8) are held by the training kernels as two tiles per head instead of one padded to the next
@@ -535,7 +538,7 @@ def _route_bwd(
     BS: tl.constexpr, BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
     ADDITIVE: tl.constexpr, HAS_PRIOR: tl.constexpr, HAS_DLSE: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
     STREAM_ACC: tl.constexpr, REPLAY: tl.constexpr, REBUILD: tl.constexpr, SAVED_R: tl.constexpr, N_PRE: tl.constexpr,
-    HAS_RSTD: tl.constexpr, ONE: tl.constexpr,
+    HAS_RSTD: tl.constexpr, ONE: tl.constexpr, TILE_PF: tl.constexpr,
 ):
     # Source i's gradient goes to dsrc_base + dsrc_offs[i]; with ACC, sources i < n_acc add to it
     # acc_base + acc_offs[i] (a gradient sink's sum so far, see _route_bwd_sources). With
@@ -559,6 +562,9 @@ def _route_bwd(
     # With ONE (exactly one source, DT == 0, none of REBUILD, SAVED_R, HAS_RSTD: block routing's
     # merges) pass one keeps the source, its rstd, scores and weights in registers for pass two,
     # which then neither reloads the source nor reduces its squares and scores over the width again.
+    # With TILE_PF too (the replacement form's fused-norm merge) each program loads its next tile's
+    # inputs (output gradient, lse, prior and its lse, the source, the sink's addend) while it
+    # computes on this one's.
     # Every lane tensor has a twin ``*_t`` over each head's last DT channels when DT > 0 (see
     # _route_fwd); sums over a head add the two.
     pid = tl.program_id(0)
@@ -591,6 +597,24 @@ def _route_bwd(
             nw_t = tl.load(nw_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32)
             dnw_acc_t = tl.full([1, 1, BH, DT], 0.0, tl.float32)
 
+    if TILE_PF:  # this program's first tile
+        src1 = tl.multiple_of(tl.load(src_offs), ALIGN)
+        if ACC:
+            acc1 = tl.multiple_of(tl.load(acc_offs), ALIGN)
+        rows_n = tl.cast(pid, tl.int64) * BM + m_i
+        x_n = rows_n * D + col
+        hm_n = rows_n * H + h_i
+        hmask_n = (rows_n < M) & (h_i < H)
+        dout_n = tl.load(g_base + g_off + x_n, mask=smask & (rows_n < M) & cmask, other=0.0)
+        lse_n = tl.load(lse_ptr + s_i.to(tl.int64) * M * H + hm_n, mask=smask & hmask_n, other=0.0)
+        po_n = tl.load(prior_ptr + x_n, mask=(rows_n < M) & cmask, other=0.0)
+        plse_n = tl.load(prior_lse_ptr + hm_n, mask=hmask_n, other=0.0)
+        v1_n = tl.load(src_base + src1 + x_n, mask=(rows_n < M) & cmask, other=0.0)
+        if ACC:
+            acc_n = tl.load(acc_base + acc1 + x_n, mask=(rows_n < tl.where(n_acc > 0, M, 0)) & cmask, other=0.0)
+        if HAS_DLSE:
+            dlse_n = tl.load(dlse_ptr + s_i.to(tl.int64) * M * H + hm_n, mask=smask & hmask_n, other=0.0)
+
     # Persistent programs: tile pid, pid + nprog, ... so that dw is summed in registers over many
     # tiles and each program writes one partial; the order is fixed, hence deterministic.
     for tile in range(pid, num_tiles, nprog):
@@ -601,7 +625,31 @@ def _route_bwd(
         hmask = (rows < M) & (h_i < H)
         sh_off = s_i.to(tl.int64) * M * H + hm_off  # [BS, BM, BH, 1]
         shmask = smask & hmask
-        dout = tl.load(g_base + g_off + x_off, mask=smask & xmask, other=0.0).to(tl.float32)  # [BS, BM, BH, BDH]
+        if TILE_PF:  # this tile's inputs, loaded during the last one; the next tile's issued now
+            dout = dout_n.to(tl.float32)
+            lse = lse_n
+            po = po_n.to(tl.float32)
+            p_alpha = tl.exp(plse_n - lse)
+            v1 = v1_n.to(tl.float32)
+            if ACC:
+                acc = acc_n
+            if HAS_DLSE:
+                dlse = dlse_n
+            rows_n = rows + tl.cast(nprog, tl.int64) * BM
+            x_n = rows_n * D + col
+            hm_n = rows_n * H + h_i
+            hmask_n = (rows_n < M) & (h_i < H)
+            dout_n = tl.load(g_base + g_off + x_n, mask=smask & (rows_n < M) & cmask, other=0.0)
+            lse_n = tl.load(lse_ptr + s_i.to(tl.int64) * M * H + hm_n, mask=smask & hmask_n, other=0.0)
+            po_n = tl.load(prior_ptr + x_n, mask=(rows_n < M) & cmask, other=0.0)
+            plse_n = tl.load(prior_lse_ptr + hm_n, mask=hmask_n, other=0.0)
+            v1_n = tl.load(src_base + src1 + x_n, mask=(rows_n < M) & cmask, other=0.0)
+            if ACC:
+                acc_n = tl.load(acc_base + acc1 + x_n, mask=(rows_n < tl.where(n_acc > 0, M, 0)) & cmask, other=0.0)
+            if HAS_DLSE:
+                dlse_n = tl.load(dlse_ptr + s_i.to(tl.int64) * M * H + hm_n, mask=smask & hmask_n, other=0.0)
+        else:
+            dout = tl.load(g_base + g_off + x_off, mask=smask & xmask, other=0.0).to(tl.float32)  # [BS, BM, BH, BDH]
         if ADDITIVE:
             dr = dout * gate
         else:
@@ -613,7 +661,8 @@ def _route_bwd(
                 dr_t = dout_t * gate_t
             else:
                 dr_t = dout_t
-        lse = tl.load(lse_ptr + sh_off, mask=shmask, other=0.0)
+        if not TILE_PF:
+            lse = tl.load(lse_ptr + sh_off, mask=shmask, other=0.0)
 
         # pass 1: D = sum_i alpha_i <dr, v_i>_h (and r itself for the gate's gradient); with NORM
         # r itself, from which dr (the norm's backward) and then D = <dr, r>_h follow
@@ -644,8 +693,9 @@ def _route_bwd(
                     if DT > 0:
                         hs_t = hs_t + tl.load(src_base + r_off + x_off_t, mask=hmask, other=0.0).to(tl.float32)
         elif HAS_PRIOR:
-            po = tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
-            p_alpha = tl.exp(tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0) - lse)
+            if not TILE_PF:
+                po = tl.load(prior_ptr + x_off, mask=xmask, other=0.0).to(tl.float32)
+                p_alpha = tl.exp(tl.load(prior_lse_ptr + hm_off, mask=hmask, other=0.0) - lse)
             if DT > 0:
                 po_t = tl.load(prior_ptr + x_off_t, mask=hmask, other=0.0).to(tl.float32)
             if not NORM:
@@ -658,8 +708,9 @@ def _route_bwd(
                 if DT > 0:
                     racc_t += tl.reduce(p_alpha * po_t, 0, _ADD, keep_dims=True)
         if ONE:  # pass one over the one source, whose values pass two reuses
-            off = tl.multiple_of(tl.load(src_offs), ALIGN)
-            v1 = tl.load(src_base + off + x_off, mask=xmask, other=0.0).to(tl.float32)
+            if not TILE_PF:
+                off = tl.multiple_of(tl.load(src_offs), ALIGN)
+                v1 = tl.load(src_base + off + x_off, mask=xmask, other=0.0).to(tl.float32)
             sq1 = tl.reduce(tl.reduce(v1 * v1, 3, _ADD, keep_dims=True), 2, _ADD, keep_dims=True)
             rstd1 = 1.0 / tl.sqrt(sq1 / D + eps)  # [1, BM, 1, 1]
             s1 = tl.reduce(w * v1, 3, _ADD, keep_dims=True) * rstd1  # [BS, BM, BH, 1]
@@ -801,7 +852,10 @@ def _route_bwd(
                 if DT > 0:
                     p_a += tl.reduce(dr_t * po_t, 3, _ADD, keep_dims=True)
         if HAS_DLSE:  # d lse_h enters every score like a constant shift of its D
-            dsum -= tl.load(dlse_ptr + sh_off, mask=shmask, other=0.0)
+            if TILE_PF:
+                dsum -= dlse
+            else:
+                dsum -= tl.load(dlse_ptr + sh_off, mask=shmask, other=0.0)
         if ADDITIVE:
             dgate_acc += tl.reduce(tl.reduce(dout, 0, _ADD, keep_dims=True) * racc, 1, _ADD, keep_dims=True)
             if DT > 0:
@@ -815,7 +869,7 @@ def _route_bwd(
 
         # pass 2: every source gradient, and dw summed over this program's tokens
         if ONE:
-            if ACC:
+            if ACC and not TILE_PF:
                 a_off = tl.multiple_of(tl.load(acc_offs), ALIGN)
                 acc = tl.load(acc_base + a_off + x_off, mask=(rows < tl.where(n_acc > 0, M, 0)) & cmask, other=0.0)
             ds = alpha1 * (tl.reduce(dr * v1, 3, _ADD, keep_dims=True) - dsum)
@@ -2199,6 +2253,7 @@ def _backward(
         raise ValueError(f"triton depth routing: saved rstd has shape {tuple(rstd.shape)}, expected {(n_src, M)}")
     flags["HAS_RSTD"] = has_rstd
     flags["ONE"] = ONE_SOURCE_MERGE and n_src == 1 and dt == 0 and not flags["REBUILD"] and not saved_routed and not has_rstd
+    flags["TILE_PF"] = TILE_PREFETCH and flags["ONE"] and norm_weight is not None and prior_out is not None and gate is None
     rstd_arg = rstd.contiguous() if has_rstd else dummy
     if saved_routed and (norm_weight is None or prior_out is None or flags["REBUILD"]):
         raise ValueError("triton depth routing: a saved routed value stands for the prior of a fused norm's merge (not a rebuilt block's)")

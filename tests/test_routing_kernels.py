@@ -965,6 +965,7 @@ def test_merge_route_norm_matches_float64_reference(n, heads, d, tokens, dtype, 
 ONE_SOURCE_CASES = [
     (1, 64, 37, torch.bfloat16, False, False), (8, 256, 19, torch.bfloat16, False, True), (2, 128, 70, torch.float32, False, True),
     (4, 128, 9, torch.float32, True, False), (2, 64, 33, torch.bfloat16, True, True), (4, 1000, 5, torch.float32, False, False),
+    (2, 64, 301, torch.bfloat16, False, True),  # tiles of 16 tokens here: each program takes several, loading the next during one
 ]
 
 
@@ -974,9 +975,12 @@ ONE_SOURCE_CASES = [
 )
 def test_merge_over_one_source_reuses_pass_one_with_identical_results(monkeypatch, heads, d, tokens, dtype, additive, sink):
     """A fused-norm merge over one source (block routing's merges over the running sum) runs the
-    two-pass backward with ONE (pass two reuses pass one's source, rstd, scores and weights) and
-    gives bit-identical outputs and gradients to the general loop (ONE_SOURCE_MERGE off), with and
-    without a gradient sink; within the bf16 / float32 tolerance of float64 (the sink's sums too)."""
+    two-pass backward with ONE (pass two reuses pass one's source, rstd, scores and weights), in the
+    replacement form with TILE_PF too (each program loads its next tile's inputs during this one),
+    and gives bit-identical outputs and gradients to ONE alone and to the general loop
+    (ONE_SOURCE_MERGE off), with and without a gradient sink; within the bf16 / float32 tolerance
+    of float64 (the sink's sums too)."""
+    monkeypatch.setattr(tr, "INTERPRET_ROWS", 16)
     launched = spy_launches(monkeypatch)
     g = torch.Generator().manual_seed(d + tokens)
     shape = (tokens, d) if tokens % 2 else (2, tokens // 2, d)
@@ -1000,16 +1004,18 @@ def test_merge_over_one_source_reuses_pass_one_with_identical_results(monkeypatc
         return [y, *torch.autograd.grad(y, xs, dy.to(y.dtype), allow_unused=True, materialize_grads=True)]
 
     runs = {}
-    for one in (True, False):
+    for one, prefetch in ((True, True), (True, False), (False, True)):
         monkeypatch.setattr(tr, "ONE_SOURCE_MERGE", one)
+        monkeypatch.setattr(tr, "TILE_PREFETCH", prefetch)
         launched.clear()
-        runs[one] = run(tr.merge_route_norm)
+        runs[one, prefetch] = run(tr.merge_route_norm)
         (bwd,) = [f for name, f in zip(launched, launched.flags) if name == "bwd"]
-        assert bwd["ONE"] == one, bwd
-    for a, b in zip(runs[True], runs[False]):
-        assert torch.equal(a, b)
+        assert bwd["ONE"] == one and bwd["TILE_PF"] == (one and prefetch and not additive), bwd
+    for other in ((True, False), (False, True)):
+        for a, b in zip(runs[True, True], runs[other]):
+            assert torch.equal(a, b), other
     ref = run(reference.merge_route_norm, double=True)
-    for a, r in zip(runs[True], ref):
+    for a, r in zip(runs[True, True], ref):
         if r.any():
             assert rel_err(a, r) < TOL[dtype]
 
