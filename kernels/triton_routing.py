@@ -43,7 +43,10 @@ exceed ``2**31``.
 Two kernels run those passes. The two-pass kernel (``_route_bwd``, merges and short single sites)
 keeps a token's gradients of all sites of the pass in registers and runs both passes per tile; a
 merge fused with the norm whose forward saved its routed value r (``SAVE_ROUTED``) needs no first
-pass: the norm's input and ``D = <dr, r>_h`` come from r.
+pass: the norm's input and ``D = <dr, r>_h`` come from r. Over exactly one source (block routing's
+merges, over the running sum) it keeps pass one's values for pass two (``ONE_SOURCE_MERGE``) and,
+in the replacement form, loads each program's next tile while computing on this one
+(``TILE_PREFETCH``).
 The site-loop kernels (``_route_bwd_stats`` then ``_route_bwd_sources``: several sites, or one
 site over many sources) hold one site's gradient at a time (``STATS_SITES``): the first runs one
 program per (site, range of tiles) and also stores every ``s_i`` and ``<dr, v_i>_h``
