@@ -223,10 +223,14 @@ SAVE_ROUTED_MIN_SOURCES = 3  # (at 2 sources the merge measured 2-9% faster: not
 SAVE_ROUTED_ADDITIVE = False
 # The two-pass backward over exactly one source (block routing's merges: the block's running sum)
 # keeps pass one's source, rstd, scores and weights for pass two (``ONE``), where pass two would
-# reload the source and reduce its squares and scores over the width again. A benchmark knob.
+# reload the source and reduce its squares and scores over the width again. Alone it measured no
+# gain (350m block MHAR 194.2 / 194.7 ms a step against 194.3 / 194.6; BENCHMARKS.md, twenty-seventh
+# set, call d); it is the one-tile structure the prefetch below needs. A benchmark knob
+# (``one-source-loop``).
 ONE_SOURCE_MERGE = True
 # ... and, for the replacement form's fused-norm merge, loads each program's next tile while it
-# computes on this one (``TILE_PF``). A benchmark knob.
+# computes on this one (``TILE_PF``): 350m block MHAR at 0.935 / 0.936 x prenorm against 0.929 /
+# 0.933 without (call e). A benchmark knob (``no-tile-prefetch``).
 TILE_PREFETCH = True
 SAVED_ROUTED_DTYPE: Optional[torch.dtype] = torch.float32
 # Head widths d/H that are a sum of two powers of two (96 = 64 + 32; 160 = 128 + 32 at 1b with
@@ -600,7 +604,8 @@ def _route_bwd(
             nw_t = tl.load(nw_ptr + col_t, mask=h_i < H, other=0.0).to(tl.float32)
             dnw_acc_t = tl.full([1, 1, BH, DT], 0.0, tl.float32)
 
-    if TILE_PF:  # this program's first tile
+    if TILE_PF:  # this program's first tile (the loop repeats these loads for each next tile: a
+        # shared @triton.jit helper cannot be called from the interpreter-wrapped kernel CI runs)
         src1 = tl.multiple_of(tl.load(src_offs), ALIGN)
         if ACC:
             acc1 = tl.multiple_of(tl.load(acc_offs), ALIGN)
