@@ -2,9 +2,9 @@
 # One call on the one-GPU machine, from the repository root, carrying .whl/ (fla-core, liger-kernel):
 # GPU kernel tests, generation at 350m, then per scale in $SCALES the routing op against its peers,
 # training throughput, tile tuning, the tensors alive at a step's peak memory (memory_phases.py --trace), the host's
-# time per step (host_profile.py) and a profile.
+# time per step (host_profile.py), a profile, and the DRAM bytes of every kernel of one step (step_bytes.py, Nsight Compute),
 # and training through lit-mhar fit itself (bench_fit.py, once, after the scales).
-#   OUT=... SCALES="350m" STEPS="tests ncu tune_decode generate op train tune memory host profile fit" bash benchmarks/device_kernels.sh
+#   OUT=... SCALES="350m" STEPS="tests ncu tune_decode generate op train tune memory host profile bytes fit" bash benchmarks/device_kernels.sh
 set -uo pipefail
 R=$PWD
 OUT=${OUT:?}
@@ -66,6 +66,18 @@ for s in $SCALES; do
     echo "profile $s exit $? at $SECONDS s"
   fi
 done
+if [[ " $STEPS " == *" bytes "* ]]; then  # DRAM bytes and time of every kernel of one step (step_bytes.py), per scale and variant
+  python3 "$R/benchmarks/step_bytes.py" copy --out "$OUT" > "$OUT/bytes.log" 2>&1
+  for s in ${BYTES_SCALES:-350m}; do
+    for v in $(echo ${BYTES_VARIANTS:-prenorm,mhar-block8-H8,mhar-full-H8,delta-block8-H8,delta-full-H8} | tr ',' ' '); do
+      (cd "$R/benchmarks" && timeout ${BYTES_TIMEOUT:-150} ncu --target-processes application-only --profile-from-start off --clock-control none --csv --page raw --print-units base \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum -k regex:"${BYTES_KERNELS:-_route|triton_|elementwise|reduce|Functor|multi_tensor|vectorized|unrolled|norm|copy}" \
+        python3 step_bytes.py step --scale $s --variant $v > "$OUT/ncu_bytes_${s}_${v}.csv" 2>> "$OUT/bytes.log")
+      echo "bytes $s $v exit $? at $SECONDS s"
+    done
+  done
+  python3 "$R/benchmarks/step_bytes.py" report --out "$OUT" > "$OUT/bytes_report.log" 2>&1; echo "bytes report exit $?"; grep -A12 "^### " "$OUT/step_bytes.md" | grep -E "^###|all profiled|routing" | head -40
+fi
 if [[ " $STEPS " == *" fit "* ]]; then  # lit-mhar fit itself (bench_fit.py); the default corpus is built in /tmp/data first
   # the CLI's dependencies the machine lacks (wheels of jsonargparse, litdata, mlflow and theirs, in .whl/);
   # a 350m fit of 100 steps takes about 270 s on a fresh machine (compiling, saving the checkpoint): one config per call

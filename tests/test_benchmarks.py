@@ -223,3 +223,45 @@ def test_fit_benchmark_times_a_real_fit_and_never_overwrites_its_logs(bench_fit,
     assert list(tmp_path.rglob("metrics.csv")) and (tmp_path / "fit_0.log").is_file()
     with pytest.raises(FileExistsError, match="fit_logs_0 exists"):
         bench_fit.run_config(config, steps=6, log_every=2, skip=1, extra=extra, out=str(tmp_path), index=0)
+
+
+@pytest.fixture
+def step_bytes(monkeypatch):
+    yield from _benchmark_script(monkeypatch, "step_bytes")
+
+
+NCU_RAW = """==PROF== Connected to process 123 (/usr/bin/python3.12)
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum"
+"","","","","","","","","","","","byte","byte","nsecond"
+"0","123","python3","h","_route_bwd","1","7","(256, 1, 1)","(528, 1, 1)","0","9.0","300,000,000","100,000,000","200,000"
+"1","123","python3","h","_route_bwd","1","7","(256, 1, 1)","(528, 1, 1)","0","9.0","200000000","200000000","100000"
+"2","123","python3","h","void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>","1","7","(128, 1, 1)","(999, 1, 1)","0","9.0","128000000","64000000","48000"
+==PROF== Disconnected from process 123
+"""
+
+
+def test_step_bytes_reads_ncu_raw_csv_and_sums_bytes_and_time_by_category(step_bytes, tmp_path):
+    """Bytes are read plus written, in base units (ns to ms); each category and the total get
+    GB, ms, GB/s, the fraction of the copy bandwidth and the time at it."""
+    path = tmp_path / "ncu_bytes_350m_mhar-block8-H8.csv"
+    path.write_text(NCU_RAW)
+    kernels = step_bytes.read_ncu_csv(str(path))
+    assert [k[0] for k in kernels] == ["_route_bwd", "_route_bwd", kernels[2][0]]
+    assert kernels[0][1:] == pytest.approx((0.2, 4e8)) and kernels[2][1:] == pytest.approx((0.048, 1.92e8))
+    rows = {r["category"]: r for r in step_bytes.summarise(kernels, copy_gbs=4000.0)}
+    bwd = rows["routing bwd"]
+    assert (bwd["kernels"], bwd["GB"], bwd["ms"]) == (2, pytest.approx(0.8), pytest.approx(0.3))
+    assert bwd["GB_per_s"] == pytest.approx(0.8e9 / 0.3e-3 / 1e9) and bwd["frac_copy"] == pytest.approx(bwd["GB_per_s"] / 4000)
+    assert bwd["ms_at_copy"] == pytest.approx(0.2)
+    assert rows["all profiled"]["GB"] == pytest.approx(0.992) and rows["elementwise"]["kernels"] == 1
+
+
+def test_step_bytes_report_names_a_failed_ncu_file_and_refuses_the_graph_knobs(step_bytes, tmp_path):
+    (tmp_path / "copy_bandwidth.json").write_text('{"GB_per_s": 4000.0}')
+    (tmp_path / "ncu_bytes_350m_prenorm.csv").write_text("==ERROR== profiling is not supported\n")
+    (tmp_path / "ncu_bytes_350m_mhar-block8-H8.csv").write_text(NCU_RAW)
+    assert step_bytes.main(["report", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "step_bytes.md").read_text()
+    assert "350m prenorm: " in md and "no ncu CSV header" in md and "### 350m mhar-block8-H8" in md
+    with pytest.raises(ValueError, match="cuda-graph"):
+        step_bytes.profile_one_step("debug", "prenorm:cuda-graph", 0)
