@@ -100,6 +100,9 @@ KNOBS = {
     "stats4": {(TR, "STATS_SITES"): 4},
     "bwd4096": {(TR, "TILE_ELEMENTS", "bwd"): 4096, (TR, "ELEMENTS_PER_THREAD", "bwd"): 16},  # the former two-pass tiles (replacement form; the additive form's kind is "bwd_add")
     "bwd1024": {(TR, "TILE_ELEMENTS", "bwd"): 1024},  # two-pass tiles of half the tokens (8 elements per thread: 4 warps; replacement form)
+    "bwd1024-8w": {(TR, "TILE_ELEMENTS", "bwd"): 1024, (TR, "WARPS", "bwd"): 8},  # ... one token on 8 warps (4 elements per thread)
+    "bwd-2048-8w": {(TR, "TUNED_TILES", ("bwd", 1024, 8)): (2048, 8)},  # the replacement form's merge backward at d = 1024, H = 8 on two tokens of 8 warps (before the twenty-eighth set; the package: one token, 4 warps)
+    **{f"bwd512-{e}-{w}w": {(TR, "TUNED_TILES", ("bwd", 512, 8)): (e, w)} for e, w in ((512, 2), (512, 4), (1024, 4), (1024, 2))},  # ... at d = 512 (100m), H = 8 (the package: the rule's 2048 elements on 8 warps)
     "grid32": {(TR, "OCCUPANCY_GRIDS"): frozenset()},  # persistent backward grids of 32 warps per SM, not sized by registers
     "occ-stats": {(TR, "OCCUPANCY_GRIDS"): frozenset({"bwd", "bwd_stats", "fwd_sites_dot", "bwd_stats_dot", "bwd_sources_dot"})},  # the vector pass one sized too
     "vector-stats": {(TR, "DOT_STATS"): False},  # pass one of the site loop on the vector kernel, not tensor cores

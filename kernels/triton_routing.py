@@ -143,6 +143,14 @@ WARPS: dict[str, int] = {}
 # against 0.853 / 3.364, pass two on 2 tokens of 2 warps 0.641 / 3.129 against 0.709 / 3.366. Phase
 # one's passes at H = 1 (AttnRes) take them too: in training at 350m AttnRes in 8 blocks ran at 0.930
 # x prenorm against 0.932 without them, full AttnRes 0.711 against 0.704; not measured at 100m.
+# The replacement form's merge backward ("bwd") at d = 1024, H = 8, with the one-source merges'
+# reuse of pass one and next-tile prefetch (``ONE_SOURCE_MERGE``, ``TILE_PREFETCH``): one token on 4
+# warps (``tune_tiles.py --shapes merge --kinds bwd``, one merge's forward + backward: 0.198 ms
+# against 0.253 on 2048 elements and 8 warps at one source, 0.507 / 0.789 against 0.546 / 0.839 at
+# four / eight). In training at 350m, steps as CUDA graphs: block MHAR 192.3 against 194.0 ms a step
+# (prenorm 181.05) in one call, 195.4-196.0 against 196.9 (prenorm 185.0) in another, where full
+# MHAR took 222.6 against 225.8 ms (BENCHMARKS.md, twenty-eighth set). At d = 512 (100m) one token
+# on 2 warps ran within the spread of two runs of the rule's tile, so that width keeps the rule.
 # Not used where ``WARPS`` names the kind (tuning runs).
 TUNED_TILES: dict[tuple, tuple[int, int]] = {
     ("fwd", 512): (2048, 2), ("fwd", 1024): (2048, 2), ("merge_fwd", 512): (2048, 2), ("merge_fwd", 1024): (2048, 2),
@@ -153,6 +161,7 @@ TUNED_TILES: dict[tuple, tuple[int, int]] = {
     ("bwd_stats", 1280, 1): (1280, 1), ("bwd_sources", 1280, 1): (1280, 1),
     ("fwd", 512, 1): (2048, 1), ("bwd_stats", 512, 1): (1024, 1),
     ("bwd_stats", 1024, 1): (1024, 1), ("bwd_sources", 1024, 1): (2048, 2),
+    ("bwd", 1024, 8): (1024, 4),
 }
 MAX_TILE_ELEMENTS = 8192
 # Backward passes over at least this many sites, or of one site over at least this many sources
