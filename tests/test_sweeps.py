@@ -288,6 +288,7 @@ def test_compare_sweep_runs_every_published_method_at_both_scales_with_two_seeds
 # ----------------------------------------------------------------------------- real sweeps
 
 
+@pytest.mark.slow
 def test_debug_sweep_end_to_end(tmp_path, stdlib_corpus, monkeypatch):
     """Optuna study, MLflow parent and children, a trial that raises, an invalid model, resume, report."""
     monkeypatch.chdir(tmp_path)
@@ -388,8 +389,9 @@ def test_two_commands_and_two_workers_share_a_grid_each_point_exactly_once(tmp_p
 
 @pytest.mark.slow
 def test_killed_sweep_resumes_without_redoing_finished_trials(tmp_path, stdlib_corpus):
-    space = [{"residual": ["prenorm"]}, {"residual": ["attnres"], "heads": [2]}]
-    path = write_sweep(tmp_path, stdlib_corpus, "killed", space, objective={"tokens": 16384, "evals": 2})  # 128 steps: time to kill
+    # 8192 tokens: trial 0 (batch 16) is 16 steps; trial 1 (batch 4) 64 steps, seconds of time to kill it while it trains
+    space = [{"residual": ["prenorm"], "data.batch_size": [16]}, {"residual": ["attnres"], "heads": [2]}]
+    path = write_sweep(tmp_path, stdlib_corpus, "killed", space, objective={"tokens": 8192, "evals": 2})
     proc = cli("sweep", "run", "--config", str(path), cwd=tmp_path)
     log_1 = tmp_path / "runs" / "killed" / "trial-0001" / "trial.log"
     deadline = time.time() + 300
@@ -401,7 +403,7 @@ def test_killed_sweep_resumes_without_redoing_finished_trials(tmp_path, stdlib_c
         if len(trials) > 1 and trials[1].state == S.RUNNING and log_1.is_file() and "Trainable params" in log_1.read_text():
             break
         assert proc.poll() is None, proc.communicate()[0]
-        time.sleep(0.5)
+        time.sleep(0.2)
     else:
         pytest.fail("trial 1 never started")
     assert trials[0].state == S.COMPLETE
@@ -413,7 +415,8 @@ def test_killed_sweep_resumes_without_redoing_finished_trials(tmp_path, stdlib_c
     assert main(["sweep", "run", "--config", str(path)]) == 0
     trials = load(tmp_path, "killed").get_trials()
     complete = [t for t in trials if t.state == S.COMPLETE]
-    assert [t.params for t in complete] == [{"residual": "prenorm"}, {"residual": "attnres", "heads": 2}]
+    assert [t.params for t in complete] == [{"residual": "prenorm", "data.batch_size": 16}, {"residual": "attnres", "heads": 2}]
+    assert [t.user_attrs["lit_mhar.max_steps"] for t in complete] == [16, 64]
     assert complete[0].number == 0 and complete[0].value == first_value  # not run again
     assert trials[1].state == S.FAIL and "lit_mhar.fail_reason" not in trials[1].user_attrs  # interrupted, then re-run
     assert len(trials) == 3 and complete[1].number == 2
@@ -422,7 +425,7 @@ def test_killed_sweep_resumes_without_redoing_finished_trials(tmp_path, stdlib_c
     result = tmp_path / "runs" / "killed" / "trial-0001" / "result.json"
     deadline = time.time() + 60  # the orphaned trial process stops at its next batch and closes its run as KILLED
     while not (result.is_file() and run_1.info.status == "KILLED") and time.time() < deadline:
-        time.sleep(1)
+        time.sleep(0.2)
         run_1 = client.get_run(run_1.info.run_id)
     assert run_1.info.status == "KILLED"
     orphan = json.loads(result.read_text())
