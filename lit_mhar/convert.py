@@ -77,8 +77,8 @@ def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file has no LitLM hyperparameter ``config`` or no ``model.*`` weights, or the
-            config has fields this version does not know.
+        ValueError: the file is not a torch checkpoint, has no LitLM hyperparameter ``config`` or no
+            ``model.*`` weights, or the config has fields this version does not know.
     """
     p = Path(path)
     if not p.is_file():
@@ -86,8 +86,14 @@ def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
             f"checkpoint {str(path)!r} does not exist (or is not a file); give a lit-mhar checkpoint file "
             f"({CHECKPOINT_LAYOUT}/last.ckpt)"
         )
-    with torch.serialization.safe_globals([ModelConfig]):
-        checkpoint = torch.load(p, map_location=map_location, weights_only=True, mmap=True)
+    try:
+        with torch.serialization.safe_globals([ModelConfig]):
+            checkpoint = torch.load(p, map_location=map_location, weights_only=True, mmap=True)
+    except Exception as e:  # not a torch checkpoint (a YAML, a truncated file): RuntimeError, UnpicklingError, ...
+        raise ValueError(
+            f"{p}: not a lit-mhar checkpoint (torch.load could not read it: {type(e).__name__}); give a lit-mhar "
+            f"checkpoint file ({CHECKPOINT_LAYOUT}/last.ckpt)"
+        ) from e
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
     config = (hparams or {}).get("config")
     if config is None:

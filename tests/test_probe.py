@@ -145,6 +145,11 @@ def test_probe_refuses_a_prenorm_checkpoint_before_writing_anything(trained, tmp
     with pytest.raises(ValueError, match="residual='prenorm' model: it has no routing sites, so there is nothing to probe"):
         probe(str(tmp_path / "prenorm.ckpt"), str(trained["data"]), str(tmp_path / "p"))
     assert not (tmp_path / "p").exists()
+    # a file that is no torch checkpoint at all (a config passed by mistake): a ValueError naming it, not torch's error
+    (tmp_path / "fit.yaml").write_text("model:\n  lr: 0.001\n")
+    with pytest.raises(ValueError, match=r"fit\.yaml: not a lit-mhar checkpoint \(torch\.load could not read it: \w+\); give a lit-mhar checkpoint file"):
+        probe(str(tmp_path / "fit.yaml"), str(trained["data"]), str(tmp_path / "p"))
+    assert not (tmp_path / "p").exists()
 
 
 def test_probe_refuses_a_non_empty_output_folder_and_bad_arguments(trained, tmp_path):
