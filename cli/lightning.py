@@ -292,8 +292,6 @@ def check_resume(checkpoint: dict, config: Any, ckpt_path: str) -> None:
             the model is built and the MLflow run reopened), or a ``trainer.max_steps`` (not -1)
             at or below the checkpoint's step (the fit would train nothing).
 
-    Prints a note on stderr when ``--config`` or the command line ask for model options other than
-    the checkpoint's, which LightningCLI replaces with the checkpoint's.
     """
     saved = checkpoint.get("datamodule_hyper_parameters") or {}
     for key in RESUME_DATA_KEYS:
@@ -310,19 +308,26 @@ def check_resume(checkpoint: dict, config: Any, ckpt_path: str) -> None:
             f"trainer.max_steps={max_steps} is not above the checkpoint's step {step} ({ckpt_path}): the resumed fit would "
             f"train no step. Give --trainer.max_steps above {step} (it counts from the start of the first fit), or -1"
         )
-    model_hp = (checkpoint.get("hyper_parameters") or {}).get("config")
-    asked = config.get("model.config")
-    if isinstance(model_hp, dict) and asked is not None:
-        asked = asked.as_dict() if hasattr(asked, "as_dict") else dict(asked)
-        linked = ("vocab_size", "seq_len")  # flow from the data, not model options
-        differ = [f"{k}={asked[k]!r} (checkpoint: {model_hp[k]!r})" for k in asked if k in model_hp and k not in linked and asked[k] != model_hp[k]]
-        if differ:
-            print(
-                f"[lit-mhar] note: resuming trains the checkpoint's model; these model options of --config and the command "
-                f"line are replaced by the checkpoint's: {', '.join(differ)}",
-                file=sys.stderr,
-                flush=True,
-            )
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": leaf}`` of a nested Namespace / dict (jsonargparse's parsed ``model``)."""
+    items = value.items() if isinstance(value, dict) else (vars(value).items() if hasattr(value, "__dict__") else None)
+    if items is None:
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for k, v in items:
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def replaced_model_options(before: Any, after: Any) -> list[str]:
+    """``"key=asked (checkpoint: saved)"`` for every model option ``--ckpt_path``'s hyperparameters
+    replaced (``before``/``after``: the parsed ``model`` namespaces), leaving out those that flow
+    from the data (``config.vocab_size``, ``config.seq_len``)."""
+    linked = {"config.vocab_size", "config.seq_len"}
+    was, now = _flat(before), _flat(after)
+    return [f"{k}={was[k]!r} (checkpoint: {now[k]!r})" for k in was if k in now and k not in linked and was[k] != now[k]]
 
 
 def utc_stamp() -> str:
@@ -369,6 +374,24 @@ class LitMharCLI(LightningCLI):
       and ``validate`` / ``test`` / ``predict`` without ``--ckpt_path`` print a note that they run a fresh model.
     """
 
+    def _parse_ckpt_path(self) -> None:
+        """LightningCLI's: with ``--ckpt_path`` the model's options come from the checkpoint's saved
+        hyperparameters. A note on stderr names those of ``--config`` and the command line that this
+        replaced (the run's ``config.yaml`` records what ran)."""
+        sub = self.config.get("subcommand")
+        before = self.config[sub].get("model") if sub else None
+        before = before.clone() if hasattr(before, "clone") else before
+        super()._parse_ckpt_path()
+        if before is None:
+            return
+        replaced = replaced_model_options(before, self.config[sub].get("model"))
+        if replaced:
+            print(
+                f"[lit-mhar] note: {sub} --ckpt_path uses the checkpoint's model; these model options of --config and the "
+                f"command line are replaced by the checkpoint's: {', '.join(replaced)}",
+                file=sys.stderr,
+                flush=True,
+            )
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         resumed = None  # fit's --ckpt_path, read once (a local file)

@@ -208,34 +208,28 @@ def test_fit_refuses_a_resume_that_cannot_continue_the_checkpoint_before_any_wor
     assert ckpt.read_bytes() == before
 
 
-def test_check_resume_notes_model_options_the_checkpoint_replaces(capsys):
-    """Model options of the command that differ from the checkpoint's are named in a note (the
-    checkpoint's win); the options linked from the data are not; equal ones print nothing."""
+def test_replaced_model_options_names_what_the_checkpoint_replaces_but_not_the_data_links(capsys):
+    """The model options ``--ckpt_path``'s hyperparameters replaced are named (nested keys dotted,
+    the asked value then the checkpoint's); the options linked from the data are not; equal ones
+    give nothing. A resume with another data seed is refused."""
     from jsonargparse import Namespace
 
-    from lit_mhar.cli.lightning import check_resume
+    from lit_mhar.cli.lightning import check_resume, replaced_model_options
 
-    checkpoint = {
-        "global_step": 5,
-        "datamodule_hyper_parameters": {"seq_len": 32, "batch_size": 4, "seed": 42, "num_workers": 0},
-        "hyper_parameters": {"config": {"residual": "prenorm", "heads": 1, "block_size": 1, "vocab_size": 100, "seq_len": 32}},
-    }
-
-    def config(**model):
+    def model(lr=0.002, **config):
         base = {"residual": "prenorm", "heads": 1, "block_size": 1, "vocab_size": None, "seq_len": None}
-        data = Namespace(seq_len=32, batch_size=4, seed=42, num_workers=0)
-        return Namespace(data=data, trainer=Namespace(max_steps=-1), model=Namespace(config=Namespace(**{**base, **model})))
+        return Namespace(lr=lr, config=Namespace(**{**base, **config}))
 
-    check_resume(checkpoint, config(), "x.ckpt")
-    assert capsys.readouterr().err == ""
-    check_resume(checkpoint, config(residual="attnres", heads=4), "x.ckpt")
-    err = capsys.readouterr().err
-    assert "[lit-mhar] note: resuming trains the checkpoint's model" in err
-    assert "residual='attnres' (checkpoint: 'prenorm')" in err and "heads=4 (checkpoint: 1)" in err and "vocab_size" not in err
+    saved = model(vocab_size=100, seq_len=32)
+    assert replaced_model_options(model(), saved) == []
+    assert replaced_model_options(model(lr=0.01, residual="attnres", heads=4), saved) == [
+        "lr=0.01 (checkpoint: 0.002)", "config.residual='attnres' (checkpoint: 'prenorm')", "config.heads=4 (checkpoint: 1)",
+    ]
+    checkpoint = {"global_step": 5, "datamodule_hyper_parameters": {"seq_len": 32, "batch_size": 4, "seed": 42, "num_workers": 0}}
+    config = Namespace(data=Namespace(seq_len=32, batch_size=4, seed=7, num_workers=0), trainer=Namespace(max_steps=-1), model=model())
     with pytest.raises(ValueError, match=r"data.seed=7 differs from the checkpoint's 42"):
-        bad = config()
-        bad.data.seed = 7
-        check_resume(checkpoint, bad, "x.ckpt")
+        check_resume(checkpoint, config, "x.ckpt")
+    assert capsys.readouterr().err == ""
 
 
 def test_fit_trains_hyper_connections(small_corpus, tmp_path):
@@ -469,17 +463,25 @@ def test_validate_without_a_checkpoint_says_so_and_names_its_run_after_the_comma
     assert run.info.run_name.startswith("validate-debug-prenorm-H1-S1-"), run.info.run_name
 
 
-def test_validate_from_a_checkpoint_leaves_it_alone_and_does_not_warn_about_checkpoint_folders(small_corpus, tmp_path):
+def test_validate_from_a_checkpoint_leaves_it_alone_and_does_not_warn_about_checkpoint_folders(small_corpus, tmp_path, capsys):
     """``validate --ckpt_path`` scores the checkpoint without Lightning's note that the checkpoint
     callback's folder changed (validate saves no checkpoint), leaves the checkpoint untouched, and
-    logs a run of its own, ``validate-...``, whose folder holds its ``config.yaml`` and no checkpoint."""
+    logs a run of its own, ``validate-...``, whose folder holds its ``config.yaml`` and no checkpoint.
+    Model options given beside it are replaced by the checkpoint's, and a note on stderr names them."""
     main(fit_args(small_corpus, tmp_path, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2"))
     (ckpt,) = (tmp_path / "runs").rglob("last.ckpt")
     before = ckpt.read_bytes()
-    args = fit_args(small_corpus, tmp_path, "--trainer.limit_val_batches", "1", "--ckpt_path", str(ckpt))
+    saved_lr = torch.load(ckpt, map_location="cpu", weights_only=False)["hyper_parameters"]["lr"]
+    args = fit_args(small_corpus, tmp_path, "--trainer.limit_val_batches", "1", "--ckpt_path", str(ckpt), "--model.lr", "0.0123")
+    capsys.readouterr()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         main(["validate", *args[1:]])
+    notes = [line for line in capsys.readouterr().err.splitlines() if "replaced by the checkpoint's" in line]
+    assert notes == [
+        "[lit-mhar] note: validate --ckpt_path uses the checkpoint's model; these model options of --config and the command line "
+        f"are replaced by the checkpoint's: lr=0.0123 (checkpoint: {saved_lr!r})"
+    ]
     assert not [w for w in caught if "dirpath has changed" in str(w.message)], [str(w.message) for w in caught]
     assert ckpt.read_bytes() == before
     assert [p for p in (tmp_path / "runs").rglob("*.ckpt") if p.parent != ckpt.parent] == []
