@@ -64,6 +64,10 @@ _FREE_FIELDS = ("name", "seq_len", "vocab_size", "init_std")
 CHECKPOINT_LAYOUT = "runs/<experiment id>/<run id>/checkpoints"
 
 
+class UnreadableCheckpoint(ValueError):
+    """A file ``torch.load`` cannot read at all (no torch checkpoint): :func:`read_checkpoint`'s error."""
+
+
 def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> tuple[ModelConfig, dict[str, Tensor], dict[str, Any]]:
     """The model config, LM weights and the whole dict of a lit-mhar (:class:`LitLM`) checkpoint.
 
@@ -77,7 +81,8 @@ def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file is not a torch checkpoint, has no LitLM hyperparameter ``config`` or no
+        UnreadableCheckpoint: (a ValueError) the file is not a torch checkpoint.
+        ValueError: the file has no LitLM hyperparameter ``config`` or no
             ``model.*`` weights, or the config has fields this version does not know.
     """
     p = Path(path)
@@ -90,7 +95,7 @@ def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         with torch.serialization.safe_globals([ModelConfig]):
             checkpoint = torch.load(p, map_location=map_location, weights_only=True, mmap=True)
     except Exception as e:  # not a torch checkpoint (a YAML, a truncated file): RuntimeError, UnpicklingError, ...
-        raise ValueError(
+        raise UnreadableCheckpoint(
             f"{p}: not a lit-mhar checkpoint (torch.load could not read it: {type(e).__name__}); give a lit-mhar "
             f"checkpoint file ({CHECKPOINT_LAYOUT}/last.ckpt)"
         ) from e

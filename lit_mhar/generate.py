@@ -234,7 +234,7 @@ def load_checkpoint(ckpt: str | os.PathLike) -> tuple[ModelConfig, dict[str, Ten
         ValueError: a directory, or a file that is not a lit-mhar Lightning checkpoint ("unknown
             checkpoint format"), naming what is valid.
     """
-    from lit_mhar.convert import read_checkpoint
+    from lit_mhar.convert import UnreadableCheckpoint, read_checkpoint
 
     path = Path(ckpt).expanduser()
     valid = "valid: a lit-mhar .ckpt file written by `lit-mhar fit` (runs/.../checkpoints/*.ckpt) or `lit-mhar convert` (OUTPUT_DIR/model.ckpt)"
@@ -248,13 +248,13 @@ def load_checkpoint(ckpt: str | os.PathLike) -> tuple[ModelConfig, dict[str, Ten
         )
     try:
         return read_checkpoint(path)
-    except ValueError as e:
-        raise ValueError(f"ckpt={str(ckpt)!r}: unknown checkpoint format ({e}); {valid}") from None
-    except Exception as e:  # torch.load on a file that is no torch checkpoint: RuntimeError, UnpicklingError, ...
+    except UnreadableCheckpoint as e:  # torch.load on a file that is no torch checkpoint: RuntimeError, UnpicklingError, ...
         raise ValueError(
             f"ckpt={str(ckpt)!r} is not a checkpoint lit-mhar can read: unknown checkpoint format "
-            f"(torch.load could not read the file: {type(e).__name__}); {valid}"
+            f"(torch.load could not read the file: {type(e.__cause__).__name__}); {valid}"
         ) from None
+    except ValueError as e:
+        raise ValueError(f"ckpt={str(ckpt)!r}: unknown checkpoint format ({e}); {valid}") from None
 
 
 def tokenizer_candidates(ckpt: str | os.PathLike, checkpoint: dict[str, Any]) -> list[Path]:
