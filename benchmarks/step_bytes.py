@@ -144,7 +144,8 @@ def report(out: str) -> int:
         lines += [f"| {r['category']} | {r['kernels']} | {r['GB']:.2f} | {r['ms']:.2f} | {r['GB_per_s']:.0f} | {r['frac_copy']:.2f} | {r['ms_at_copy']:.2f} |" for r in rows]
         per_kernel = collections.defaultdict(lambda: [0, 0.0, 0.0])
         for name, ms, nbytes in kernels:
-            if categorise(name).startswith("routing") or categorise(name) in ("elementwise", "compiled (inductor)", "reduction"):
+            cat = categorise(name)
+            if cat.startswith("routing") or cat in ("elementwise", "compiled (inductor)", "reduction"):
                 k = per_kernel[name[:90]]
                 k[0] += 1
                 k[1] += nbytes

@@ -291,7 +291,6 @@ def check_resume(checkpoint: dict, config: Any, ckpt_path: str) -> None:
             checkpoint's (the saved data-loader state cannot continue: litdata would fail after
             the model is built and the MLflow run reopened), or a ``trainer.max_steps`` (not -1)
             at or below the checkpoint's step (the fit would train nothing).
-
     """
     saved = checkpoint.get("datamodule_hyper_parameters") or {}
     for key in RESUME_DATA_KEYS:
@@ -375,7 +374,8 @@ class LitMharCLI(LightningCLI):
     """
 
     def _parse_ckpt_path(self) -> None:
-        """LightningCLI's: with ``--ckpt_path`` the model's options come from the checkpoint's saved
+        """LightningCLI's (a private hook: the one place where the parsed options and the
+        checkpoint's both exist): with ``--ckpt_path`` the model's options come from the checkpoint's saved
         hyperparameters. A note on stderr names those of ``--config`` and the command line that this
         replaced (the run's ``config.yaml`` records what ran)."""
         sub = self.config.get("subcommand")
@@ -392,6 +392,7 @@ class LitMharCLI(LightningCLI):
                 file=sys.stderr,
                 flush=True,
             )
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         resumed = None  # fit's --ckpt_path, read once (a local file)
