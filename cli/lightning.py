@@ -203,6 +203,19 @@ def check_accumulate_grad_batches(value: Any) -> None:
         raise ValueError(f"trainer.accumulate_grad_batches={value!r}; need an integer >= 1 (1: no accumulation)")
 
 
+def check_limit_val_batches(value: Any) -> None:
+    """Raises ValueError for a ``trainer.limit_val_batches`` other than 1.0 (score the whole validation
+    set) or 0 (no validation): a number or fraction of batches would make ``val/loss`` depend on the
+    batch size and the device count. ``data.val_tokens`` is how to score less. Used by the CLI before any work."""
+    if value is None or (not isinstance(value, bool) and isinstance(value, (int, float)) and value in (0, 1.0)):
+        return
+    raise ValueError(
+        f"trainer.limit_val_batches={value!r}: validation scores a fixed set of tokens, so that one checkpoint gets one "
+        "val/loss at any batch size or device count; remove it (or give 1.0, or 0 for no validation) and set "
+        "--data.val_tokens N to score the first N tokens of the val split"
+    )
+
+
 def _is_special_ckpt_path(ckpt_path: str) -> bool:
     """Whether Lightning resolves ``ckpt_path`` itself: ``last``, ``best``, ``hpc``, ``registry[:...]``, or a URL."""
     text = ckpt_path.strip()
@@ -400,6 +413,8 @@ class LitMharCLI(LightningCLI):
         check_ckpt_path(config.get("ckpt_path"))
         if config.get("model.compile") is not None:
             check_compile(config.get("model.compile"))
+        if self.subcommand in ("fit", "validate", "test"):
+            check_limit_val_batches(config.get("trainer.limit_val_batches"))
         if self.subcommand == "fit":
             check_accumulate_grad_batches(config.get("trainer.accumulate_grad_batches"))
             check_cuda_graph(config)

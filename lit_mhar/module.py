@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torchmetrics import Metric
 
 from lit_mhar.config import ModelConfig
 from lit_mhar.model import COMPILE_LAYOUTS, LM
@@ -68,11 +69,37 @@ def fsdp_strategy(**kwargs: Any) -> FSDPStrategy:
     return FSDPStrategy(**kwargs)
 
 
-def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean next-token cross-entropy in nats (float32, 0-d) of ``logits`` ``[B, T, V]`` (any float
-    dtype; computed in float32) against token ids ``targets`` ``[B, T]`` (int64): the training,
-    validation and test loss."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+def next_token_loss(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+    """Next-token cross-entropy in nats (float32, 0-d) of ``logits`` ``[B, T, V]`` (any float dtype;
+    computed in float32) against token ids ``targets`` ``[B, T]`` (int64): the mean over tokens (the
+    training loss), or with ``reduction="sum"`` the sum (validation adds sums over its fixed token set)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
+
+
+class TokenMean(Metric):
+    """The mean loss per token over a whole evaluation: float64 sums of token losses and token counts,
+    added over batches and, at ``compute``, over ranks. ``val/loss`` and ``test/loss`` are this, so
+    one checkpoint gets one value however the fixed set is cut into batches or shared among devices.
+    NaN propagates (a diverged model must not score as finite).
+
+    (torchmetrics' ``MeanMetric`` would do, but with ``nan_strategy="disable"`` it ignores its weights.)
+    """
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, total: Tensor, count: int) -> None:
+        """Adds ``total`` (0-d, the summed loss of ``count`` tokens) to the evaluation."""
+        self.total += total.detach().to(torch.float64)
+        self.count += count
+
+    def compute(self) -> Tensor:
+        """The mean loss per token so far (float64, 0-d)."""
+        return self.total / self.count
 
 
 class TrainingLoss(torch.nn.Module):
@@ -266,6 +293,8 @@ class LitLM(L.LightningModule):
         self._graphed: list[TrainingLoss] = []  # with cuda_graph: the captured training loss, once the first batch came (a list: not a submodule)
         self._graph_shape: Optional[torch.Size] = None  # the captured inputs' shape
         self._graph_fallback_warned = False
+        self.val_loss, self.test_loss = TokenMean(), TokenMean()
+        self._passes_warned = False
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits ``[B, T, V]`` for token ids ``[B, T]``."""
@@ -347,7 +376,35 @@ class LitLM(L.LightningModule):
     def on_train_start(self) -> None:
         self._bar_step = None  # each fit shows its first step's loss
 
+    def _data_passes(self) -> Optional[float]:
+        """Passes over the training split so far: batches trained / batches in one epoch (None without a length)."""
+        per_epoch = self.trainer.num_training_batches
+        if not per_epoch or math.isinf(per_epoch):
+            return None
+        return (self.trainer.fit_loop.epoch_loop.total_batch_idx + 1) / per_epoch
+
+    def _at_last_batch(self) -> bool:
+        """Whether this batch ends the fit (max_steps reached, or the last batch of the last epoch)."""
+        trainer = self.trainer
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            return self.global_step >= trainer.max_steps
+        last_epoch = trainer.max_epochs is not None and trainer.max_epochs > 0 and trainer.current_epoch + 1 >= trainer.max_epochs
+        return last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+
     def on_train_batch_end(self, outputs: Any, batch: Tensor, batch_idx: int) -> None:
+        # Every fit validates at its last step, so a short run (or one whose max_steps is not a multiple of
+        # val_check_interval) still reports val/loss: Lightning validates when a hook sets should_stop.
+        if self._at_last_batch():
+            self.trainer.should_stop = True
+        passes = self._data_passes()
+        if passes is not None and passes > 1 and not self._passes_warned:
+            self._passes_warned = True
+            rank_zero_warn(
+                f"LitLM: step {self.global_step} starts pass {math.ceil(passes)} over the training split "
+                f"({self.trainer.num_training_batches} batches a pass): from here the model sees repeated data and its "
+                "validation loss can measure memorisation; prepare a larger corpus (lit-mhar prepare --source python) "
+                "or lower trainer.max_steps"
+            )
         # Throughput over windows that end at the loggers' steps (every log_every_n_steps optimizer
         # steps; a validation ends one early), where Lightning reads train/loss back for the loggers
         # anyway: the window's end and the progress bar's loss wait for the GPU there and nowhere
@@ -395,6 +452,9 @@ class LitLM(L.LightningModule):
                 perf["perf/mfu"] = self.model.flops_per_token(seq_len) * per_device / peak
         if device.type == "cuda":
             perf["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        passes = self._data_passes()
+        if passes is not None:
+            perf["data/epochs"] = passes
         if perf:
             # Straight to the loggers, once per window: a value given to self.log would be sent again at
             # every later logging step until the next window ends. Step numbering as Lightning's for
@@ -437,15 +497,17 @@ class LitLM(L.LightningModule):
                 }
                 break
 
-    def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
-        return loss
+    def _score(self, batch: Tensor, metric: TokenMean, name: str, prog_bar: bool) -> None:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        metric.update(next_token_loss(self(inputs), targets, reduction="sum"), targets.numel())
+        # the metric object, not a value: Lightning calls compute() (all batches, all ranks) at the epoch's end
+        self.log(name, metric, prog_bar=prog_bar)
 
-    def test_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.log("test/loss", loss, sync_dist=True)
-        return loss
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        self._score(batch, self.val_loss, "val/loss", prog_bar=True)
+
+    def test_step(self, batch: Tensor, batch_idx: int) -> None:
+        self._score(batch, self.test_loss, "test/loss", prog_bar=False)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

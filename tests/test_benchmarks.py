@@ -213,7 +213,7 @@ def test_fit_benchmark_times_a_real_fit_and_never_overwrites_its_logs(bench_fit,
     """One real ``lit-mhar fit`` on the CPU: a row with the median throughput of the windows after
     the skipped one; a second run into the same folder refuses before starting."""
     extra = ["--data.data_dir", str(small_corpus), "--data.seq_len", "32", "--data.batch_size", "2", "--trainer.accelerator", "cpu",
-             "--trainer.limit_val_batches", "1"]
+             "--data.val_tokens", "64"]
     config = str(BENCHMARKS.parent / "configs" / "debug" / "block_mhar.yaml")
     row = bench_fit.run_config(config + "+model.routing_log_every_n_steps=0", steps=6, log_every=2, skip=1, extra=extra, out=str(tmp_path), index=0)
     assert row["status"] == "ok", row

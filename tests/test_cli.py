@@ -22,7 +22,7 @@ def fit_args(data: Path, tmp: Path, *extra: str) -> list[str]:
         "fit", "--config", str(ROOT / "configs" / "debug.yaml"),
         "--data.data_dir", str(data), "--data.seq_len", "32", "--data.batch_size", "4",
         "--model.config.d_model", "32", "--model.config.n_layer", "2", "--model.config.ffn_dim", "64",
-        "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
+        "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--data.val_tokens", "256",
         "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
         "--trainer.default_root_dir", str(tmp / "runs"),
         "--trainer.logger.init_args.tracking_uri", f"sqlite:///{tmp / 'mlflow.db'}",
@@ -453,7 +453,7 @@ def test_fit_refuses_a_checkpoint_folder_that_holds_checkpoints_before_any_work(
 def test_validate_without_a_checkpoint_says_so_and_names_its_run_after_the_command(small_corpus, tmp_path, capsys):
     """``validate`` with no ``--ckpt_path`` scores a fresh model: a note on stderr, and its MLflow run
     is named ``validate-<preset>-...`` so that it does not pass for a fit."""
-    args = fit_args(small_corpus, tmp_path, "--trainer.limit_val_batches", "1")
+    args = fit_args(small_corpus, tmp_path, "--data.val_tokens", "128")
     main(["validate", *args[1:]])
     assert "[lit-mhar] note: validate without --ckpt_path runs a freshly initialised model" in capsys.readouterr().err
     from mlflow import MlflowClient
@@ -472,7 +472,7 @@ def test_validate_from_a_checkpoint_leaves_it_alone_and_does_not_warn_about_chec
     (ckpt,) = (tmp_path / "runs").rglob("last.ckpt")
     before = ckpt.read_bytes()
     saved_lr = torch.load(ckpt, map_location="cpu", weights_only=False)["hyper_parameters"]["lr"]
-    args = fit_args(small_corpus, tmp_path, "--trainer.limit_val_batches", "1", "--ckpt_path", str(ckpt), "--model.lr", "0.0123")
+    args = fit_args(small_corpus, tmp_path, "--data.val_tokens", "128", "--ckpt_path", str(ckpt), "--model.lr", "0.0123")
     capsys.readouterr()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

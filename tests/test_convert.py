@@ -348,7 +348,7 @@ def test_fit_continues_a_converted_model_with_routing_at_100x_the_backbone_lr(sm
     main([
         "fit", "--config", str(out / "fit.yaml"),
         "--data.data_dir", str(small_corpus), "--data.seq_len", "32", "--data.batch_size", "4",
-        "--trainer.max_steps", "3", "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
+        "--trainer.max_steps", "3", "--data.val_tokens", "128", "--trainer.num_sanity_val_steps", "0",
         "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / "runs"),
         "--trainer.logger.init_args.tracking_uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
         "--trainer.logger.init_args.artifact_location", str(tmp_path / "artifacts"),

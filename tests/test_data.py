@@ -1,4 +1,5 @@
-"""prepare (text / JSONL / Parquet -> litdata token chunks) and TokenDataModule (batches, resume)."""
+"""prepare (text / JSONL / Parquet / the python source -> litdata token chunks) and TokenDataModule
+(batches, resume, the fixed validation set, damaged and changed data)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import hashlib
 import json
 import random
 import re
+import shutil
 import sysconfig
 import threading
 import time
@@ -23,8 +25,9 @@ from litdata import StreamingDataset
 from litdata.streaming.item_loader import TokensLoader
 from tokenizers import Tokenizer
 
+import lit_mhar.corpus as corpus_module
 import lit_mhar.data as data
-from lit_mhar.data import EOS_TOKEN, TokenDataModule, prepare, read_manifest
+from lit_mhar.data import EOS_TOKEN, TokenDataModule, prepare, read_manifest, verify_dataset
 
 VOCAB = 300
 
@@ -32,9 +35,24 @@ VOCAB = 300
 # ----------------------------------------------------------------------------- helpers
 
 
+def _score(key: str, salt: str = "") -> float:
+    """The documented hash, written out independently of the implementation."""
+    return int.from_bytes(hashlib.blake2b((salt + key).encode(), digest_size=8).digest(), "big") / 2**64
+
+
 def _is_val(key: str, val_fraction: float) -> bool:
-    """The documented split rule, written out independently of the implementation."""
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2**64 < val_fraction
+    """The documented split rule."""
+    return _score(key) < val_fraction
+
+
+def _content_key(data: bytes) -> str:
+    """A plain-text file's key: its content digest."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _shuffled(keys: list[str], seed: int = 0) -> list[str]:
+    """The documented document order in the chunks."""
+    return sorted(keys, key=lambda k: _score(k, f"shuffle-{seed}:"))
 
 
 def _stream(split_dir: Path) -> np.ndarray:
@@ -84,12 +102,14 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def _expected_documents(corpus: Path, split: str, val_fraction: float) -> list[str]:
-    docs = []
+    """The split's documents in shuffled order (text files keyed by content)."""
+    docs = {}
     for path in sorted(corpus.iterdir()):
-        text = path.read_bytes().decode("utf-8", errors="replace")
-        if text.strip() and _is_val(path.name, val_fraction) == (split == "val"):
-            docs.append(text)
-    return docs
+        raw = path.read_bytes()
+        text = raw.decode("utf-8", errors="replace")
+        if text.strip() and _is_val(_content_key(raw), val_fraction) == (split == "val"):
+            docs[_content_key(raw)] = text
+    return [docs[k] for k in _shuffled(list(docs))]
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +127,12 @@ def test_text_files_round_trip_each_document_followed_by_eos(corpus, dataset):
         expected = _expected_documents(corpus, split, 0.25)
         assert expected, f"corpus gives an empty {split} split; pick other file names"
         assert _decoded_documents(dataset, split) == expected
-        assert manifest["splits"][split]["documents"] == len(expected) == manifest["splits"][split]["files"]
+        assert manifest["splits"][split]["documents"] == len(expected)
         assert manifest["splits"][split]["tokens"] == len(_stream(dataset / split))
-    assert manifest["empty_documents_skipped"] == 2
-    assert manifest["documents_with_undecodable_bytes"] == 1
+    assert manifest["split_rule"]["threshold"] == 0.25  # the corpus is far below val_tokens: val_fraction decides
+    assert manifest["inputs"]["empty_documents_skipped"] == 2
+    assert manifest["inputs"]["documents_with_undecodable_bytes"] == 1
+    assert manifest["data_digest"] == corpus_module.data_digest(dataset)
     assert manifest["tokenizer"]["origin"] == "trained" and manifest["vocab_size"] == VOCAB
     assert manifest["eos_id"] == Tokenizer.from_file(str(dataset / "tokenizer.json")).token_to_id(EOS_TOKEN)
     assert sorted(p.name for p in dataset.iterdir()) == ["manifest.json", "tokenizer.json", "train", "val"]
@@ -128,9 +150,8 @@ def test_jsonl_records_are_documents_split_by_file_and_line(tmp_path):
     val = [text for n, text in numbered if _is_val(f"corpus.jsonl:{n}", 0.3)]
     train = [text for n, text in numbered if not _is_val(f"corpus.jsonl:{n}", 0.3)]
     assert val and train
-    assert _decoded_documents(out, "val") == val
+    assert _decoded_documents(out, "val") == val  # one shard: records keep their order
     assert _decoded_documents(out, "train") == train
-    assert read_manifest(out)["splits"]["train"]["files"] == 1
     # one path given as a string, not a list (as `--files corpus.jsonl` parses): the same dataset
     single = _prepare_files(tmp_path / "single", str(path), val_fraction=0.3)
     assert _decoded_documents(single, "val") == val and _decoded_documents(single, "train") == train
@@ -142,7 +163,7 @@ def test_parquet_column_is_read_and_null_rows_skipped(tmp_path):
     out = _prepare_files(tmp_path / "out", [str(tmp_path / "c.parquet")], text_field="content", val_fraction=0.3)
     docs = _decoded_documents(out, "train") + _decoded_documents(out, "val")
     assert sorted(docs) == sorted(texts[:-1])
-    assert read_manifest(out)["empty_documents_skipped"] == 1
+    assert read_manifest(out)["splits"]["train"]["documents"] + read_manifest(out)["splits"]["val"]["documents"] == 25
 
 
 def test_split_does_not_depend_on_corpus_location_or_file_order(corpus, dataset, tmp_path):
@@ -170,7 +191,7 @@ def test_tiny_corpus_still_gets_a_val_document(tmp_path):
         (tmp_path / f"{i}.txt").write_text(_doc(i))
     out = _prepare_files(tmp_path / "out", [str(tmp_path / "*.txt")], val_fraction=0.01)
     manifest = read_manifest(out)
-    assert len(manifest["split_overrides"]) == 1  # all three hash to train; one is moved across
+    assert len(manifest["split_rule"]["overrides"]) == 1  # all three hash to train; one is moved across
     splits = manifest["splits"]
     assert (splits["train"]["documents"], splits["val"]["documents"]) == (2, 1)
     assert len(_decoded_documents(out, "val")) == 1
@@ -189,12 +210,93 @@ def test_user_tokenizer_is_copied_and_used(dataset, tmp_path):
 
 
 def test_stdlib_source_lists_every_stdlib_py_file_but_site_packages():
-    root, sources = data._stdlib_sources()
-    assert root == Path(sysconfig.get_paths()["stdlib"]).resolve()
-    keys = [s.key for s in sources]
-    assert keys == sorted(keys) and len(keys) > 500
-    assert all(k.endswith(".py") and "site-packages" not in k and "dist-packages" not in k for k in keys)
-    assert "json/decoder.py" in keys and "os.py" in keys
+    roots, sources = corpus_module._stdlib_files()
+    assert roots == [Path(sysconfig.get_paths()["stdlib"]).resolve()]
+    names = [s.name for s in sources]
+    assert names == sorted(names) and len(names) > 500
+    assert all(k.endswith(".py") and "site-packages" not in k and "dist-packages" not in k for k in names)
+    assert "stdlib/json/decoder.py" in names and "stdlib/os.py" in names
+
+
+def test_python_source_reads_the_stdlib_and_every_site_packages_folder():
+    roots = dict(corpus_module.python_roots())
+    assert roots["stdlib"] == Path(sysconfig.get_paths()["stdlib"]).resolve()
+    sites = [p for label, p in roots.items() if label != "stdlib"]
+    assert Path(sysconfig.get_paths()["purelib"]).resolve() in sites
+    assert all(p.name in ("site-packages", "dist-packages") or p == Path(sysconfig.get_paths()["platlib"]).resolve() for p in sites)
+    # lightning is installed: its files are found under a site folder (walked, not prepared: the whole
+    # environment would take minutes here)
+    import lightning
+
+    pkg = Path(lightning.__file__).resolve().parent
+    site = next(p for p in sites if pkg.is_relative_to(p))
+    found = corpus_module._walk_py(site / "lightning" / "fabric", "site-0")
+    assert str(pkg / "fabric" / "__init__.py") in {f.path for f in found}
+
+
+@pytest.fixture
+def fake_python(tmp_path, monkeypatch) -> dict:
+    """A tiny interpreter layout for source='python': a stdlib and a site-packages folder of three
+    packages of 12 modules each, where one package vendors a copy of another's modules."""
+    stdlib, site = tmp_path / "lib" / "python3", tmp_path / "lib" / "python3" / "site-packages"
+    texts = {}
+    for pkg in ("alpha", "beta", "gamma"):
+        (site / pkg).mkdir(parents=True)
+        for i in range(12):
+            text = f"# {pkg} module {i}\n" + _doc(i + 40 * len(pkg))
+            (site / pkg / f"m{i:02d}.py").write_text(text)
+            texts[f"{pkg}/m{i:02d}.py"] = text
+    (site / "gamma" / "_vendor").mkdir()
+    for i in range(5):  # exact copies: one document each
+        (site / "gamma" / "_vendor" / f"m{i:02d}.py").write_text(texts[f"alpha/m{i:02d}.py"])
+    for i in range(6):
+        (stdlib / f"std{i}.py").write_text(f"# stdlib {i}\n" + _doc(i + 200))
+        texts[f"std{i}.py"] = f"# stdlib {i}\n" + _doc(i + 200)
+    (site / "alpha" / "__pycache__").mkdir()
+    (site / "alpha" / "__pycache__" / "junk.py").write_text("never read")
+    monkeypatch.setattr(corpus_module, "python_roots", lambda: [("stdlib", stdlib), ("site-0", site)])
+    return texts
+
+
+def test_python_source_removes_duplicates_and_mixes_packages_across_chunks(fake_python, tmp_path):
+    out = prepare(str(tmp_path / "py"), source="python", vocab_size=VOCAB, chunk_bytes="4KB", val_fraction=0.1)
+    manifest = read_manifest(out)
+    assert manifest["source"] == "python"
+    assert manifest["inputs"]["files"] == 36 + 5 + 6 and manifest["inputs"]["duplicate_files_removed"] == 5
+    documents = _decoded_documents(out, "train") + _decoded_documents(out, "val")
+    assert sorted(documents) == sorted(fake_python.values())  # every module once, no __pycache__
+    # path order would fill the first chunks with alpha's modules alone; shuffled, each holds several packages
+    stream = _stream(out / "train")
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    first_chunk = json.loads((out / "train" / "index.json").read_text())["chunks"][0]["dim"]
+    text = tokenizer.decode(stream[:first_chunk].tolist(), skip_special_tokens=False)
+    assert len({pkg for pkg in ("alpha", "beta", "gamma", "stdlib") if f"# {pkg} " in text}) >= 3
+
+
+def test_python_source_with_no_py_file_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setattr(corpus_module, "python_roots", lambda: [("stdlib", tmp_path / "empty")])
+    with pytest.raises(FileNotFoundError, match="source='python': no .py file"):
+        prepare(str(tmp_path / "out"), source="python")
+    assert not (tmp_path / "out").exists()
+
+
+def test_chunks_do_not_depend_on_the_number_of_workers(corpus, dataset, tmp_path):
+    out = _prepare_files(tmp_path / "two", [str(corpus / "*.py")], val_fraction=0.25, num_workers=2)
+    one = _prepare_files(tmp_path / "one", [str(corpus / "*.py")], val_fraction=0.25, num_workers=1)
+    assert read_manifest(out)["data_digest"] == read_manifest(one)["data_digest"] == read_manifest(dataset)["data_digest"]
+
+
+def test_val_split_targets_val_tokens_and_the_tokenizer_never_sees_it(fake_python, tmp_path):
+    out = prepare(str(tmp_path / "py"), source="python", vocab_size=VOCAB, chunk_bytes="4KB", val_fraction=0.5, val_tokens=3000)
+    manifest = read_manifest(out)
+    rule = manifest["split_rule"]
+    assert rule["threshold"] < 0.5  # val_tokens, not val_fraction, decided
+    assert 1000 < manifest["splits"]["val"]["tokens"] < 9000  # about val_tokens, in whole documents
+    # the tokenizer sample is every document at or above val_fraction in hash order (the corpus is far
+    # below tokenizer_sample_bytes), so never a validation document
+    unique = {_content_key(t.encode()): t for t in fake_python.values()}
+    assert manifest["tokenizer_sample"]["bytes"] == sum(len(t.encode()) for k, t in unique.items() if _score(k) >= 0.5)
 
 
 # ----------------------------------------------------------------------------- prepare: refusals
@@ -216,6 +318,10 @@ def _entries(path: Path) -> list[str]:
         pytest.param(dict(source="web"), ValueError, "source", id="unknown-source"),
         pytest.param(dict(source="files"), ValueError, "needs files", id="files-source-without-files"),
         pytest.param(dict(files=["a.txt"]), ValueError, "only read with source='files'", id="stdlib-with-files"),
+        pytest.param(dict(source="python", files=["a.txt"]), ValueError, "only read with source='files'", id="python-with-files"),
+        pytest.param(dict(val_tokens=0), ValueError, "val_tokens", id="val_tokens=0"),
+        pytest.param(dict(shuffle_seed=-1), ValueError, "shuffle_seed", id="shuffle_seed<0"),
+        pytest.param(dict(tokenizer_sample_bytes=0), ValueError, "tokenizer_sample_bytes", id="tokenizer_sample_bytes=0"),
         pytest.param(
             dict(source="files", files=["a.txt", "missing.txt"]), FileNotFoundError, "missing.txt", id="missing-file"
         ),
@@ -285,7 +391,7 @@ def test_failure_midway_leaves_no_dataset_and_keeps_the_old_one(corpus, tmp_path
     def crash(split_dir):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(data, "_split_chunks", crash)
+    monkeypatch.setattr(corpus_module, "data_digest", crash)
     with pytest.raises(RuntimeError, match="disk full"):
         prepare(str(tmp_path / "new"), **kwargs)
     with pytest.raises(RuntimeError, match="disk full"):
@@ -435,11 +541,11 @@ def test_missing_dataset_error_names_the_prepare_command(tmp_path):
 def test_missing_dataset_is_prepared_once_by_concurrent_modules(dataset, tmp_path, monkeypatch):
     calls = []
 
-    def fake_prepare(output_dir: str) -> Path:
+    def fake_prepare(output_dir: str, source: str) -> Path:
+        assert source == "stdlib"
         calls.append(output_dir)
         tmp = Path(output_dir + ".tmp")
-        tmp.mkdir()
-        (tmp / "manifest.json").write_text((dataset / "manifest.json").read_text())
+        shutil.copytree(dataset, tmp)
         time.sleep(0.3)  # long enough for the other module to reach the lock
         tmp.rename(output_dir)  # like prepare: the directory appears complete
         return Path(output_dir)
@@ -448,7 +554,7 @@ def test_missing_dataset_is_prepared_once_by_concurrent_modules(dataset, tmp_pat
     monkeypatch.chdir(tmp_path)  # the default data/stdlib of this folder: prepared without being asked
     target = tmp_path / "data" / "stdlib"
     modules: list[TokenDataModule] = []
-    threads = [threading.Thread(target=lambda: modules.append(TokenDataModule("data/stdlib"))) for _ in range(2)]
+    threads = [threading.Thread(target=lambda: modules.append(TokenDataModule("data/stdlib", seq_len=31, batch_size=2))) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -461,7 +567,7 @@ def test_missing_dataset_is_prepared_once_by_concurrent_modules(dataset, tmp_pat
 
 def test_a_missing_dataset_elsewhere_is_not_prepared_unless_asked(dataset, tmp_path, monkeypatch):
     """A mistyped --data.data_dir must not silently become a new stdlib corpus there."""
-    monkeypatch.setattr(data, "prepare", lambda output_dir: pytest.fail(f"prepared {output_dir}"))
+    monkeypatch.setattr(data, "prepare", lambda output_dir, source: pytest.fail(f"prepared {output_dir}"))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"(?s)No dataset at .*data/mine.*only at data/stdlib.*--data\.prepare_if_missing true"):
         TokenDataModule("data/mine")
@@ -476,19 +582,84 @@ def test_datamodule_rejects_bad_sizes(dataset, kwargs):
         TokenDataModule(str(dataset), **kwargs)
 
 
-def test_too_long_seq_len_is_a_clear_error(dataset):
-    with pytest.raises(ValueError, match="no block of seq_len"):
-        TokenDataModule(str(dataset), seq_len=4096).train_dataloader()
+def test_too_long_seq_len_is_refused_when_the_module_is_built(dataset):
+    with pytest.raises(ValueError, match=r"split of .* holds 0 blocks of seq_len \+ 1 = 4097 tokens"):
+        TokenDataModule(str(dataset), seq_len=4096)
+
+
+def test_val_tokens_scores_the_first_blocks_of_the_val_split(dataset):
+    every = TokenDataModule(str(dataset), seq_len=15, batch_size=4).val_blocks()
+    first = TokenDataModule(str(dataset), seq_len=15, batch_size=4, val_tokens=15 * 5 + 7).val_blocks()
+    assert np.array_equal(first, every[:5])
+    with pytest.raises(ValueError, match="val_tokens=.* is more than the .* tokens of the val split"):
+        TokenDataModule(str(dataset), seq_len=15, val_tokens=10**9)
+    with pytest.raises(ValueError, match="val_tokens=3 is less than one block"):
+        TokenDataModule(str(dataset), seq_len=15, val_tokens=3)
+
+
+def test_val_loss_of_one_checkpoint_is_the_same_at_any_batch_size(dataset):
+    from lit_mhar.config import ModelConfig
+    from lit_mhar.module import LitLM
+
+    L.seed_everything(0)
+    model = LitLM(ModelConfig.from_name("debug", residual="attnres", heads=2, vocab_size=VOCAB, seq_len=31))
+    losses = []
+    for batch_size in (4, 8, 5):
+        trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+        dm = TokenDataModule(str(dataset), seq_len=31, batch_size=batch_size)
+        losses.append(trainer.validate(model, datamodule=dm, verbose=False)[0]["val/loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6) and losses[0] == pytest.approx(losses[2], rel=1e-6)
+    # and it is the mean over the whole set's tokens, not a mean of batch means (5 does not divide the blocks)
+    blocks = torch.from_numpy(dm.val_blocks().astype(np.int64))
+    assert len(blocks) % 5
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(blocks[:, :-1]).flatten(0, 1), blocks[:, 1:].flatten())
+    assert losses[2] == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_val_blocks_are_shared_among_ranks_without_repeats(dataset):
+    blocks = TokenDataModule(str(dataset), seq_len=15).val_blocks()
+    from unittest import mock
+
+    shares = []
+    for rank in range(3):
+        with mock.patch("torch.distributed.is_initialized", return_value=True), \
+                mock.patch("torch.distributed.get_rank", return_value=rank), mock.patch("torch.distributed.get_world_size", return_value=3):
+            shares.append(list(data.ValBlocks(blocks)))
+    got = sorted(b.tobytes() for share in shares for b in share)
+    assert got == sorted(b.tobytes() for b in blocks)
+
+
+def test_a_truncated_chunk_is_named_before_any_work(dataset, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(dataset, copy)
+    chunk = next((copy / "train").glob("chunk-*.bin"))
+    chunk.write_bytes(chunk.read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"chunk {re.escape(str(chunk))} is damaged \(100 bytes, index.json says .*lit-mhar prepare --output_dir {re.escape(str(copy))}"):
+        TokenDataModule(str(copy))
+
+
+def test_a_manifest_whose_digest_does_not_match_its_data_is_refused(dataset, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(dataset, copy)
+    assert verify_dataset(copy)["data_digest"] == read_manifest(dataset)["data_digest"]
+    chunk = next((copy / "val").glob("chunk-*.bin"))
+    raw = bytearray(chunk.read_bytes())
+    raw[-1] ^= 1  # same size, other tokens
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="its token data has digest .* but its manifest says"):
+        verify_dataset(copy)
 
 
 @pytest.mark.slow
 def test_default_datamodule_prepares_the_stdlib_corpus(tmp_path):
     dm = TokenDataModule(str(tmp_path / "stdlib"), seq_len=128, batch_size=2, prepare_if_missing=True)
     manifest = read_manifest(tmp_path / "stdlib")
-    _, sources = data._stdlib_sources()
+    _, sources = corpus_module._stdlib_files()
     assert manifest["source"] == "stdlib" and dm.vocab_size == manifest["vocab_size"] == 8192
-    splits = manifest["splits"]
-    assert splits["train"]["files"] + splits["val"]["files"] + manifest["empty_documents_skipped"] == len(sources)
+    splits, inputs = manifest["splits"], manifest["inputs"]
+    assert inputs["files"] == len(sources)
+    assert splits["train"]["documents"] + splits["val"]["documents"] == inputs["documents"]
     assert manifest["splits"]["train"]["tokens"] > 1_000_000 and manifest["splits"]["val"]["tokens"] > 10_000
     tokenizer = Tokenizer.from_file(str(tmp_path / "stdlib" / "tokenizer.json"))
     text = tokenizer.decode(next(iter(dm.val_dataloader()))[0].tolist())

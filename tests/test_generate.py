@@ -381,7 +381,7 @@ def trained(tmp_path_factory):
         "--data.data_dir", str(data), "--data.seq_len", "32", "--data.batch_size", "2",
         "--model.config.d_model", "32", "--model.config.n_layer", "2", "--model.config.ffn_dim", "64",
         "--model.config.residual", "attnres", "--model.config.heads", "2", "--model.config.block_size", "3",
-        "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+        "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--data.val_tokens", "64",
         "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--trainer.default_root_dir", str(tmp / "runs"),
     ])

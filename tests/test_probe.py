@@ -37,7 +37,7 @@ def trained(tmp_path_factory) -> dict:
         "--data.data_dir", str(data), "--data.seq_len", str(SEQ), "--data.batch_size", "4",
         "--model.config.d_model", "32", "--model.config.n_layer", "2", "--model.config.ffn_dim", "64",
         "--model.lr", "0.01", "--model.warmup_steps", "0", "--model.routing_lr_multiplier", "10",
-        "--trainer.max_steps", "6", "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
+        "--trainer.max_steps", "6", "--data.val_tokens", str(4 * SEQ), "--trainer.num_sanity_val_steps", "0",
         "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp / "runs"),
         "--trainer.logger.init_args.tracking_uri", f"sqlite:///{tmp / 'mlflow.db'}",
         "--trainer.logger.init_args.artifact_location", str(tmp / "artifacts"),

@@ -36,8 +36,8 @@ def write_sweep(tmp: Path, stdlib_corpus: Path, study: str, space, **fields) -> 
     sweep["space"] = space
     sweep["base"]["model"]["config"].update(d_model=32, n_layer=1, n_head=2, n_kv_head=1, ffn_dim=64)
     sweep["base"]["model"]["warmup_steps"] = 2
-    sweep["base"]["data"].update(data_dir=str(stdlib_corpus), seq_len=32, batch_size=4)
-    sweep["base"]["trainer"].update(log_every_n_steps=2, limit_val_batches=2)
+    sweep["base"]["data"].update(data_dir=str(stdlib_corpus), seq_len=32, batch_size=4, val_tokens=256)
+    sweep["base"]["trainer"].update(log_every_n_steps=2)
     sweep["objective"] = {"tokens": 1024, "evals": 2}  # 8 steps of 4 x 32 tokens
     sweep["storage"] = f"sqlite:///{tmp / 'sweeps.db'}"
     sweep["mlflow"] = {"experiment": "sweeps-test", "tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "artifact_location": str(tmp / "artifacts")}

@@ -166,7 +166,7 @@ def fit_args(data: Path, tmp: Path, experiment: str, *extra: str) -> list[str]:
         "fit", "--config", str(ROOT / "configs" / "debug.yaml"),
         "--data.data_dir", str(data), "--data.seq_len", "32", "--data.batch_size", "4",
         "--model.config.d_model", "32", "--model.config.n_layer", "1", "--model.config.ffn_dim", "64",
-        "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
+        "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--data.val_tokens", "256",
         "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--trainer.default_root_dir", str(tmp / "runs"), "--trainer.logger.init_args.experiment_name", experiment,
         *extra,
@@ -181,8 +181,8 @@ def sweep_file(tmp: Path, stdlib_corpus: Path, study: str, storage: str, experim
     sweep = yaml.safe_load((ROOT / "sweeps" / "debug.yaml").read_text())
     sweep["base"]["model"]["config"].update(d_model=32, n_layer=1, n_head=2, n_kv_head=1, ffn_dim=64)
     sweep["base"]["model"]["warmup_steps"] = 2
-    sweep["base"]["data"].update(data_dir=str(stdlib_corpus), seq_len=32, batch_size=4)
-    sweep["base"]["trainer"].update(log_every_n_steps=2, limit_val_batches=2)
+    sweep["base"]["data"].update(data_dir=str(stdlib_corpus), seq_len=32, batch_size=4, val_tokens=256)
+    sweep["base"]["trainer"].update(log_every_n_steps=2)
     sweep.update(study=study, space=GRID, objective={"tokens": 1024, "evals": 2}, storage=storage, mlflow={"experiment": experiment},
                  output_dir=str(tmp / "runs"))
     path = tmp / f"{study}.yaml"
