@@ -29,7 +29,9 @@ from lit_mhar.config import PRESETS, RESIDUALS
 Value = Union[int, float, str, bool]
 
 # Short parameter names and the fit arguments each one sets. `seed` seeds both the weights
-# (seed_everything) and the order in which the train split is shuffled (data.seed).
+# (seed_everything) and the order in which the train split is shuffled (data.seed). `budget` sets
+# none: it is the fraction of objective.tokens a point trains (the baseline at several budgets
+# gives the loss-vs-compute fit of the report).
 SHORT_NAMES: dict[str, tuple[str, ...]] = {
     "heads": ("model.config.heads",),
     "block_size": ("model.config.block_size",),
@@ -37,6 +39,7 @@ SHORT_NAMES: dict[str, tuple[str, ...]] = {
     "scale": ("model.config.name",),
     "seed": ("seed_everything", "data.seed"),
     "lr": ("model.lr",),
+    "budget": (),
 }
 
 # Fit arguments the sweep sets itself for every trial; sweeping them would break the objective.
@@ -143,6 +146,8 @@ def _check_short_value(name: str, value: Any) -> None:
         raise ValueError(f"space.seed contains {value!r}; seeds are integers")
     elif name == "lr" and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
         raise ValueError(f"space.lr contains {value!r}; learning rates are numbers > 0")
+    elif name == "budget" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+        raise ValueError(f"space.budget contains {value!r}; a budget is the fraction of objective.tokens a point trains, in (0, 1]")
 
 
 def check_parameter_name(name: str) -> None:
@@ -389,13 +394,14 @@ class Budget:
     tokens: int  # tokens actually trained: max_steps * tokens_per_step (>= objective.tokens)
 
 
-def token_budget(objective: Objective, resolved: dict[str, Any]) -> Budget:
-    """``max_steps`` and the validation interval that spend ``objective.tokens`` on one trial.
+def token_budget(objective: Objective, resolved: dict[str, Any], fraction: float = 1.0) -> Budget:
+    """``max_steps`` and the validation interval that spend ``fraction`` of ``objective.tokens`` on one trial.
 
     Args:
         objective: the token budget and number of validations.
         resolved: the fully resolved fit config (``lit-mhar fit --print_config``), for
             data.batch_size, data.seq_len, trainer.accumulate_grad_batches, devices, num_nodes.
+        fraction: the point's ``budget`` (a baseline trained on less compute for the loss-vs-compute fit).
 
     Raises:
         ValueError: ``trainer.devices`` is not a fixed count (``auto``, -1), or the budget is
@@ -415,10 +421,10 @@ def token_budget(objective: Objective, resolved: dict[str, Any]) -> Budget:
     if not isinstance(accumulate, int):
         raise ValueError(f"trainer.accumulate_grad_batches={accumulate!r}: a token budget needs one integer")
     tokens_per_step = int(data["batch_size"]) * int(data["seq_len"]) * accumulate * devices * int(trainer.get("num_nodes", 1) or 1)
-    steps = math.ceil(objective.tokens / tokens_per_step)
+    steps = math.ceil(objective.tokens * fraction / tokens_per_step)
     if steps < objective.evals:
         raise ValueError(
-            f"objective.tokens={objective.tokens} is {steps} step(s) of {tokens_per_step} tokens, fewer than "
+            f"objective.tokens={objective.tokens} x budget {fraction:g} is {steps} step(s) of {tokens_per_step} tokens, fewer than "
             f"objective.evals={objective.evals}: raise the budget or lower evals"
         )
     val_every = math.ceil(steps / objective.evals)

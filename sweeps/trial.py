@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Optional
@@ -63,6 +64,7 @@ class OptunaPruning(L.Callback):
         self.pruner, self.evals, self.max_steps, self.monitor = pruner, evals, max_steps, monitor
         self.pruned_at: Optional[int] = None
         self.orphaned = False
+        self.startup_s: Optional[float] = None  # from the runner starting this process to the end of the first step
         self._parent = os.getppid()
         self._trial: Any = None
 
@@ -70,7 +72,7 @@ class OptunaPruning(L.Callback):
         if self._trial is None:
             import optuna
 
-            from lit_mhar.sweeps.runner import open_storage
+            from lit_mhar.sweeps.storage import open_storage
             from lit_mhar.sweeps.space import Pruner
 
             study = optuna.load_study(
@@ -96,6 +98,9 @@ class OptunaPruning(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._check_parent(trainer)
+        started = os.environ.get("LIT_MHAR_TRIAL_STARTED")
+        if self.startup_s is None and started:
+            self.startup_s = round(time.time() - float(started), 2)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or self.pruned_at is not None or self.orphaned:
@@ -133,7 +138,8 @@ def run_trial(config: str, result: str) -> int:
     try:
         cli = run_lightning(["fit", "--config", config])
         pruning = next((c for c in cli.trainer.callbacks if isinstance(c, OptunaPruning)), None)
-        outcome.update(status="ok", global_step=cli.trainer.global_step, pruned_at=pruning and pruning.pruned_at)
+        outcome.update(status="ok", global_step=cli.trainer.global_step, pruned_at=pruning and pruning.pruned_at,
+                       startup_s=pruning and pruning.startup_s)
         code = 0
         if pruning is not None and pruning.orphaned:  # the runner died: this run is not a result
             outcome.update(status="error", error="stopped: the sweep runner that started this trial died")

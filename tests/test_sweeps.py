@@ -175,7 +175,7 @@ def test_pruning_callback_reports_the_kth_validation_and_stops_the_fit(tmp_path)
 
 
 def test_journal_storage_opens_and_locks_beside_its_file(tmp_path):
-    from lit_mhar.sweeps.runner import StorageLock
+    from lit_mhar.sweeps.storage import StorageLock
 
     storage = open_storage(f"journal:{tmp_path / 'sweeps.journal'}")
     optuna.create_study(study_name="j", storage=storage).optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
@@ -261,7 +261,7 @@ def test_shipped_sweeps_parse(name, capsys):
 def test_compare_sweep_runs_every_published_method_at_both_scales_with_two_seeds_on_one_budget():
     """sweeps/compare.yaml: every point is a valid model, 20m points come first, all share data, budget and optimiser."""
     from lit_mhar.config import ModelConfig
-    from lit_mhar.sweeps.runner import model_fields, resolve_fit_config
+    from lit_mhar.sweeps.fitconfig import model_fields, resolve_fit_config
     from lit_mhar.sweeps.space import get_dotted
 
     sweep = yaml.safe_load((ROOT / "sweeps" / "compare.yaml").read_text())
@@ -294,8 +294,8 @@ def test_debug_sweep_end_to_end(tmp_path, stdlib_corpus, monkeypatch):
     monkeypatch.chdir(tmp_path)
     space = [
         {"residual": ["prenorm"]},
-        # raises inside the trial process (no dataset there), after its config passed every check
-        {"residual": ["attnres"], "heads": [1], "data.data_dir": [str(tmp_path / "missing")], "data.prepare_if_missing": [False]},
+        # raises inside the trial process (no checkpoint to start from), after its config passed every check
+        {"residual": ["attnres"], "heads": [1], "model.init_from": [str(tmp_path / "missing.ckpt")]},
         {"residual": ["attnres"], "heads": [2, 3]},  # H=3 does not divide d=32: FAIL before it starts
     ]
     path = write_sweep(tmp_path, stdlib_corpus, "e2e", space)
@@ -304,7 +304,7 @@ def test_debug_sweep_end_to_end(tmp_path, stdlib_corpus, monkeypatch):
     study = load(tmp_path, "e2e")
     trials = study.get_trials()
     assert [t.state for t in trials] == [S.COMPLETE, S.FAIL, S.COMPLETE, S.FAIL]
-    assert "No dataset at" in trials[1].user_attrs["lit_mhar.fail_reason"]
+    assert "missing.ckpt" in trials[1].user_attrs["lit_mhar.fail_reason"]
     assert "ModelConfig.heads=3 must divide d_model=32" in trials[3].user_attrs["lit_mhar.fail_reason"]
     assert trials[2].datetime_start > trials[1].datetime_complete  # the sweep went on after the crash
     for t in (trials[0], trials[2]):
@@ -341,15 +341,19 @@ def test_debug_sweep_end_to_end(tmp_path, stdlib_corpus, monkeypatch):
     storage = f"sqlite:///{tmp_path / 'sweeps.db'}"
     assert main(["sweep", "report", "--study", "e2e", "--storage", storage, "--output_dir", str(tmp_path / "report")]) == 0
     out = tmp_path / "report"
-    for png in ("val_loss_vs_heads.png", "val_loss_vs_block_size.png", "tokens_per_s_vs_heads.png", "peak_memory_vs_heads.png"):
+    for png in ("val_loss_vs_heads.png", "val_loss_vs_block_size.png", "prenorm_fit.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # on a CPU: no throughput or memory plots, and the report says why
+    assert not (out / "tokens_per_s_vs_heads.png").exists() and not (out / "peak_memory_vs_heads.png").exists()
     summary = (out / "summary.csv").read_text().splitlines()
     assert len(summary) == 3 and summary[1].startswith("debug,prenorm,1,1") and summary[2].startswith("debug,attnres,1,2")
     report_md = (out / "report.md").read_text()
-    assert "No dataset at" in report_md and "heads=3 must divide" in report_md and "1,024 training tokens" in report_md
+    assert "missing.ckpt" in report_md and "heads=3 must divide" in report_md and "1,024 training tokens" in report_md
+    assert "Throughput ratios, adjusted speedups and their plots are left out: trials ran on a CPU" in report_md
+    assert "no fit (L = E + A*C^-alpha has 3 parameters and 1 distinct compute value" in report_md
     with (out / "trials.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert [r["state"] for r in rows] == ["COMPLETE", "FAIL", "COMPLETE", "FAIL"] and "No dataset at" in rows[1]["fail_reason"]
+    assert [r["state"] for r in rows] == ["COMPLETE", "FAIL", "COMPLETE", "FAIL"] and "missing.ckpt" in rows[1]["fail_reason"]
     logged = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
     assert "report/val_loss_vs_heads.png" in logged and "report/summary.md" in logged
     with pytest.raises(ValueError, match="not empty; pass --overwrite true"):
@@ -551,7 +555,7 @@ def test_cuda_graph_on_a_cpu_sweep_stops_it_before_the_study_exists(tmp_path, st
 
 def test_parent_run_gets_an_end_time_and_fails_when_no_trial_completed(tmp_path, stdlib_corpus, monkeypatch, capsys):
     """Every trial FAILs (H = 3 does not divide d = 32, before any fit starts): exit 1 and the parent run FAILED, ended."""
-    from lit_mhar.sweeps.runner import _close_parent
+    from lit_mhar.sweeps.mlflow_runs import _close_parent
 
     monkeypatch.chdir(tmp_path)
     path = write_sweep(tmp_path, stdlib_corpus, "ended", {"residual": ["attnres"], "heads": [3]})
