@@ -461,6 +461,7 @@ def run(
     client = _client(tracking_uri)
     client.update_run(parent_id, status="RUNNING")
     status = "FINISHED"
+    procs: list[Any] = []
     try:
         gpus = _gpus(workers, trials_per_gpu)
         if len(gpus) == 1:
@@ -469,7 +470,6 @@ def run(
             import multiprocessing
 
             spawn = multiprocessing.get_context("spawn")
-            procs = []
             for i, gpu in enumerate(gpus):
                 worker_ctx = Context(**{**ctx.__dict__, "gpu": gpu, "worker": i})
                 procs.append(spawn.Process(target=_work_in_process, args=(worker_ctx,), name=f"sweep-worker-{i}"))
@@ -481,6 +481,12 @@ def run(
                 status = "KILLED"
     except KeyboardInterrupt:
         status = "KILLED"
+        # each worker stops its trial and records it as interrupted before the study is read below
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=60)
         say(study, "interrupted; run the same command again to resume")
         raise
     finally:
