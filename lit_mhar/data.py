@@ -7,8 +7,10 @@ batch size and device count.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -48,6 +50,20 @@ def default_source(data_dir: str | os.PathLike, prepare_if_missing: Optional[boo
         if here == Path(folder).absolute():
             return source
     return "stdlib" if prepare_if_missing else None
+
+
+@contextlib.contextmanager
+def rng_preserved() -> Iterator[None]:
+    """Restores Python's, NumPy's and torch's global random states (CPU and CUDA) on exit, so work done
+    inside (preparing a corpus) leaves a seeded fit's initialisation and data order as they would be."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
 
 
 def read_manifest(data_dir: str | os.PathLike) -> dict[str, Any]:
@@ -297,7 +313,8 @@ class TokenDataModule(L.LightningDataModule):
             if not (self.data_dir / MANIFEST_NAME).is_file():
                 if self.data_dir.exists():
                     self._raise_missing()
-                prepare(output_dir=str(self.data_dir), source=source)
+                with rng_preserved():  # the first fit (which prepares) trains exactly as every later one
+                    prepare(output_dir=str(self.data_dir), source=source)
         return read_manifest(self.data_dir)
 
     def _raise_missing(self, note: str = "") -> None:

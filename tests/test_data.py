@@ -664,3 +664,29 @@ def test_default_datamodule_prepares_the_stdlib_corpus(tmp_path):
     tokenizer = Tokenizer.from_file(str(tmp_path / "stdlib" / "tokenizer.json"))
     text = tokenizer.decode(next(iter(dm.val_dataloader()))[0].tolist())
     assert len(text) > 128  # BPE merges: more than one character per token on Python code
+
+
+def _rng_states() -> tuple:
+    return random.getstate(), np.random.get_state()[1].tobytes(), torch.get_rng_state().numpy().tobytes()
+
+
+def test_preparing_a_corpus_leaves_every_random_state_as_it_was(corpus, tmp_path):
+    """A fit that prepares its data first must train as every later fit of the same config does."""
+    L.seed_everything(3)
+    before = _rng_states()
+    _prepare_files(tmp_path / "p", [str(corpus / "*.py")], val_fraction=0.25, num_workers=2)
+    assert _rng_states() == before
+
+
+def test_a_datamodule_that_prepares_restores_the_random_states(dataset, tmp_path, monkeypatch):
+    def noisy_prepare(output_dir: str, source: str) -> Path:
+        random.random(), np.random.rand(), torch.rand(3)  # whatever preparing might draw
+        shutil.copytree(dataset, output_dir)
+        return Path(output_dir)
+
+    monkeypatch.setattr(data, "prepare", noisy_prepare)
+    monkeypatch.chdir(tmp_path)
+    L.seed_everything(3)
+    before = _rng_states()
+    TokenDataModule("data/stdlib", seq_len=31, batch_size=2)
+    assert (tmp_path / "data" / "stdlib" / "manifest.json").is_file() and _rng_states() == before

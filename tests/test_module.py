@@ -438,3 +438,61 @@ def test_cuda_graph_refuses_gradient_accumulation_at_a_step_before_any_capture()
     with pytest.raises(ValueError, match="cannot accumulate gradients.*accumulate_grad_batches=2 at step 0, need 1"):
         m._training_loss(torch.randint(0, 64, (2, 17)))
     assert not m._graphed
+
+
+def _trained(data_dir, **trainer_kw) -> dict:
+    from lit_mhar.data import TokenDataModule
+
+    L.seed_everything(0)
+    m = LitLM(ModelConfig.from_name("debug", residual="attnres", heads=2, d_model=32, n_layer=1, ffn_dim=64, vocab_size=300, seq_len=16),
+              warmup_steps=2, routing_log_every_n_steps=0)
+    trainer = L.Trainer(max_steps=8, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, check_val_every_n_epoch=None, accelerator="cpu", **trainer_kw)
+    trainer.fit(m, TokenDataModule(str(data_dir), seq_len=16, batch_size=4, val_tokens=16 * 8))
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def test_how_often_validation_runs_does_not_change_training(stdlib_corpus):
+    """Validation reads the fixed set with its own loader and draws nothing training uses: the weights after
+    8 steps are the same bit for bit whether it ran every 2 steps, every 8, or never."""
+    rare = _trained(stdlib_corpus, val_check_interval=8)
+    often = _trained(stdlib_corpus, val_check_interval=2)
+    never = _trained(stdlib_corpus, val_check_interval=8, limit_val_batches=0)
+    assert all(torch.equal(rare[k], often[k]) and torch.equal(rare[k], never[k]) for k in rare)
+
+
+def test_every_fit_validates_at_its_last_step(stdlib_corpus, tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lit_mhar.data import TokenDataModule
+
+    L.seed_everything(0)
+    m = LitLM(ModelConfig.from_name("debug", d_model=32, n_layer=1, ffn_dim=64, vocab_size=300, seq_len=16))
+    trainer = L.Trainer(max_steps=7, val_check_interval=5, check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=CSVLogger(tmp_path),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    trainer.fit(m, TokenDataModule(str(stdlib_corpus), seq_len=16, batch_size=4, val_tokens=64))
+    import csv
+
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    assert [int(r["step"]) for r in rows if r.get("val/loss")] == [4, 6]  # after step 5 (val_check_interval), and the last, 7
+    assert trainer.global_step == 7
+
+
+def test_passes_over_the_training_split_are_logged_and_a_repeat_is_warned_once(stdlib_corpus, tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lit_mhar.data import TokenDataModule
+
+    dm = TokenDataModule(str(stdlib_corpus), seq_len=255, batch_size=16, val_tokens=255)
+    per_epoch = dm.blocks("train") // 16
+    L.seed_everything(0)
+    m = LitLM(ModelConfig.from_name("debug", d_model=32, n_layer=1, ffn_dim=64, vocab_size=300, seq_len=255))
+    trainer = L.Trainer(max_steps=per_epoch + 3, log_every_n_steps=1, limit_val_batches=0, logger=CSVLogger(tmp_path),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    with pytest.warns(UserWarning, match=r"starts pass 2 over the training split") as record:
+        trainer.fit(m, dm)
+    assert sum("over the training split" in str(w.message) for w in record) == 1
+    import csv
+
+    epochs = [float(r["data/epochs"]) for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("data/epochs")]
+    assert epochs[0] == pytest.approx(1 / per_epoch) and max(epochs) == pytest.approx((per_epoch + 3) / per_epoch)
