@@ -127,7 +127,7 @@ def train(config: str, devices: int, global_batch: int, steps: int, out: str, ba
 
     args = _fit_args(config, devices, accelerator, precision, steps, out_dir / f"parity-{devices}dev", extra or [])
     args += ["--data.batch_size", str(global_batch // devices), "--trainer.val_check_interval", str(steps),
-             "--trainer.limit_val_batches", "0", "--checkpoint.save_last", "false", "--checkpoint.save_top_k", "0",
+             "--trainer.limit_val_batches", "0", "--data.val_tokens", "null", "--checkpoint.save_last", "false", "--checkpoint.save_top_k", "0",
              "--checkpoint.monitor", "null"]
     cli = LitMharCLI(LitLM, FixedOrder, run=False, args=args, save_config_callback=None)
     recorder = GlobalLoss()
@@ -243,7 +243,7 @@ def scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
             run_dir = out / f"scaling-{Path(config).parent.name}-{Path(config).stem}-{devices}dev"
             run_dir.mkdir(parents=True, exist_ok=True)
             _fit(_fit_args(config, devices, args.accelerator, args.precision, args.steps, run_dir,
-                           ["--trainer.val_check_interval", str(args.steps), "--trainer.limit_val_batches", "0",
+                           ["--trainer.val_check_interval", str(args.steps), "--trainer.limit_val_batches", "0", "--data.val_tokens", "null",
                             "--checkpoint.save_last", "false", "--checkpoint.save_top_k", "0", "--checkpoint.monitor", "null",
                             "--trainer.log_every_n_steps", str(args.log_every), *args.set]), run_dir / "fit.log")
             values = _last_run_metric(run_dir / "mlflow.db", "perf/tokens_per_s", skip=1)  # the first window compiles
@@ -263,7 +263,7 @@ def resume(args: argparse.Namespace) -> list[dict[str, Any]]:
     for first, second in ((args.devices, 1), (1, args.devices))[: 1 if args.one_way else 2]:
         run_dir = out / f"resume-{first}to{second}"
         run_dir.mkdir(parents=True, exist_ok=True)
-        common = ["--trainer.val_check_interval", str(args.steps), "--trainer.limit_val_batches", "2", *args.set]
+        common = ["--trainer.val_check_interval", str(args.steps), "--data.val_tokens", "null", *args.set]
         _fit(_fit_args(args.config[0], first, args.accelerator, args.precision, args.steps, run_dir, common), run_dir / "first.log")
         (ckpt,) = run_dir.glob("runs/*/*/checkpoints/last.ckpt")
         _fit(_fit_args(args.config[0], second, args.accelerator, args.precision, 2 * args.steps, run_dir, common)

@@ -488,7 +488,7 @@ def convert(
         linked = ("vocab_size", "seq_len")  # set from the data by the CLI's links
         # a fixed seed and a validation interval that counts steps across epochs, so a short
         # mid-training run is reproducible and validated (override on the command line)
-        fit = {"seed_everything": 1234, "trainer": {"val_check_interval": 100, "check_val_every_n_epoch": None, "limit_val_batches": 20}, "model": {"config": {k: v for k, v in cfg.to_dict().items() if k not in linked}, "lr": lr, "routing_lr_multiplier": routing_lr_multiplier, "init_from": str((out / CHECKPOINT_NAME).resolve())}}
+        fit = {"seed_everything": 1234, "trainer": {"val_check_interval": 100, "check_val_every_n_epoch": None}, "model": {"config": {k: v for k, v in cfg.to_dict().items() if k not in linked}, "lr": lr, "routing_lr_multiplier": routing_lr_multiplier, "init_from": str((out / CHECKPOINT_NAME).resolve())}}
         header = (
             f"# Written by lit-mhar convert from {src.resolve()}.\n"
             "# Mid-training of the converted model (new run, step 0; routing at lr * routing_lr_multiplier):\n"

@@ -394,7 +394,7 @@ class LitLM(L.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Tensor, batch_idx: int) -> None:
         # Every fit validates at its last step, so a short run (or one whose max_steps is not a multiple of
         # val_check_interval) still reports val/loss: Lightning validates when a hook sets should_stop.
-        if self._at_last_batch():
+        if self.trainer.enable_validation and self._at_last_batch():
             self.trainer.should_stop = True
         passes = self._data_passes()
         if passes is not None and passes > 1 and not self._passes_warned:

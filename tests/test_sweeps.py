@@ -255,7 +255,7 @@ def test_shipped_sweeps_parse(name, capsys):
     if name == "h_sweep.yaml":
         points = space.grid()
         assert {p["heads"] for p in points if "heads" in p} == {1, 2, 4, 8, 16}
-        assert {p["scale"] for p in points} == {"20m", "100m"} and len(points) == 42
+        assert {p["scale"] for p in points} == {"20m", "100m"} and len(points) == 84  # two seeds
 
 
 def test_compare_sweep_runs_every_published_method_at_both_scales_with_two_seeds_on_one_budget():
@@ -470,20 +470,22 @@ def test_random_sampler_with_median_pruner_prunes_a_trial_that_does_not_learn(tm
     assert len(load(tmp_path, "pruned").trials) == 2
 
 
-def test_report_summary_gives_loss_spread_throughput_and_memory_against_prenorm():
+def test_report_summary_pairs_seeds_and_gives_throughput_and_memory_against_prenorm():
     from lit_mhar.sweeps.report import markdown_table, summarise
 
     def row(residual, seed, loss, speed, mem, heads=1):
         return {"trial": seed, "state": "COMPLETE", "scale": "20m", "residual": residual, "block_size": 1, "heads": heads, "seed": seed,
-                "val_loss": loss, "tokens_per_s": speed, "mfu": None, "peak_memory_gb": mem, "tokens": 100}
+                "budget": 1.0, "val_loss": loss, "tokens_per_s": speed, "mfu": None, "peak_memory_gb": mem, "tokens": 100,
+                "flops_per_token": 1e6, "passes": 0.5, "startup_s": 10.0, "trials_per_gpu": 1}
 
     rows = [row("prenorm", 0, 3.0, 1000.0, 10.0), row("prenorm", 1, 3.2, 1000.0, 10.0),
             row("hyper", 0, 2.9, 800.0, 13.0), row("hyper", 1, 2.95, 800.0, 13.0)]
     hyper = next(r for r in summarise(rows) if r["residual"] == "hyper")
-    assert hyper["n"] == 2 and abs(hyper["val_loss"] - 2.925) < 1e-12 and abs(hyper["delta_vs_prenorm"] + 0.175) < 1e-12
+    assert hyper["n"] == hyper["pairs"] == 2 and abs(hyper["val_loss"] - 2.925) < 1e-12 and abs(hyper["delta"] + 0.175) < 1e-12
     assert abs(hyper["val_loss_std"] - 0.0353553) < 1e-6 and hyper["throughput_vs_prenorm"] == 0.8 and hyper["memory_vs_prenorm"] == 1.3
+    assert hyper["multiplier"] is None  # one budget: no loss-vs-compute fit
     table = markdown_table(summarise(rows))
-    assert "mem × prenorm" in table and "| **1.30** |" in table  # hyper, the best row, in bold
+    assert "peak GiB × prenorm" in table and "| **1.300** |" in table  # hyper, the best row, in bold
 
 
 # ----------------------------------------------------------------------------- exit status
