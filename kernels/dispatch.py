@@ -51,9 +51,11 @@ do not fit :data:`MAX_TILE_ELEMENTS` lanes in the two-pass backward: never a sil
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -419,3 +421,24 @@ def _decode(call: Call, interpret: bool) -> tuple[Launch, ...]:
         Launch("decode", dict(split, PHASE=1, num_warps=4 if interpret else 8), count=n_split),
         Launch("decode", dict(split, PHASE=2, num_warps=4), count=n_split),
     )
+
+
+@contextlib.contextmanager
+def overrides(**values) -> Iterator[None]:
+    """Replace entries of this module's table (its upper-case names) inside a ``with`` block: tests
+    reach other kernels and tiles at small shapes, tuning runs time other tiles. The plan's cache is
+    cleared on entry and exit. Raises ValueError for a name that is not one of the table's."""
+    module = sys.modules[__name__]
+    unknown = [k for k in values if not (k.isupper() and hasattr(module, k))]
+    if unknown:
+        raise ValueError(f"dispatch.overrides: {unknown} are not entries of the dispatch table")
+    previous = {k: getattr(module, k) for k in values}
+    plan.cache_clear()
+    try:
+        for k, v in values.items():
+            setattr(module, k, v)
+        yield
+    finally:
+        for k, v in previous.items():
+            setattr(module, k, v)
+        plan.cache_clear()

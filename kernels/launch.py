@@ -39,11 +39,12 @@ _poison = False
 
 
 @contextlib.contextmanager
-def poison_outputs() -> Iterator[None]:
-    """Fill every kernel output with NaN before its launch inside a ``with`` block (tests): an
-    element a kernel fails to write cannot pass as a plausible value."""
+def poison_outputs(on: bool = True) -> Iterator[None]:
+    """Fill every kernel output with NaN before its launch inside a ``with`` block (tests; ``on``
+    False: not, inside a poisoned block): an element a kernel fails to write cannot pass as a
+    plausible value."""
     global _poison
-    previous, _poison = _poison, True
+    previous, _poison = _poison, on
     try:
         yield
     finally:

@@ -22,17 +22,19 @@ from lit_mhar.kernels.common import ADD, round_bf16
 
 
 @triton.jit
-def _merge_tile(rows, col, cmask, s_i, smask, h_i, g_ptr, lse_ptr, prior_ptr, prior_lse_ptr, v_ptr, M, D: tl.constexpr, H: tl.constexpr):
+def _merge_tile(
+    rows, col, cmask, s_i, smask, h_i, g_base, g_off, lse_ptr, prior_ptr, prior_lse_ptr, src_base, src1, M, D: tl.constexpr, H: tl.constexpr,
+):
     """Offsets and loads of one tile of a one-source merge (``PREFETCH_TILE``): ``(x_off, hm_off,
     hmask, dout, lse, prior, prior_lse, source)``, the values in their stored dtypes."""
     x = rows * D + col
     hm = rows * H + h_i
     hmask = (rows < M) & (h_i < H)
-    dout = tl.load(g_ptr + x, mask=smask & (rows < M) & cmask, other=0.0)
+    dout = tl.load(g_base + g_off + x, mask=smask & (rows < M) & cmask, other=0.0)
     lse = tl.load(lse_ptr + s_i.to(tl.int64) * M * H + hm, mask=smask & hmask, other=0.0)
     po = tl.load(prior_ptr + x, mask=(rows < M) & cmask, other=0.0)
     plse = tl.load(prior_lse_ptr + hm, mask=hmask, other=0.0)
-    v = tl.load(v_ptr + x, mask=(rows < M) & cmask, other=0.0)
+    v = tl.load(src_base + src1 + x, mask=(rows < M) & cmask, other=0.0)
     return x, hm, hmask, dout, lse, po, plse, v
 
 
@@ -123,7 +125,7 @@ def bwd_kernel(
             acc1 = tl.multiple_of(tl.load(acc_offs), ALIGN)
         rows_n = tl.cast(pid, tl.int64) * BM + m_i
         x_n, hm_n, hmask_n, dout_n, lse_n, po_n, plse_n, v1_n = _merge_tile(
-            rows_n, col, cmask, s_i, smask, h_i, g_base + g_off, lse_ptr, prior_ptr, prior_lse_ptr, src_base + src1, M, D, H,
+            rows_n, col, cmask, s_i, smask, h_i, g_base, g_off, lse_ptr, prior_ptr, prior_lse_ptr, src_base, src1, M, D, H,
         )
         if ACC:
             acc_n = tl.load(acc_base + acc1 + x_n, mask=(rows_n < tl.where(n_acc > 0, M, 0)) & cmask, other=0.0)
@@ -152,7 +154,7 @@ def bwd_kernel(
                 dlse = dlse_n
             rows_n = rows + tl.cast(nprog, tl.int64) * BM
             x_n, hm_n, hmask_n, dout_n, lse_n, po_n, plse_n, v1_n = _merge_tile(
-                rows_n, col, cmask, s_i, smask, h_i, g_base + g_off, lse_ptr, prior_ptr, prior_lse_ptr, src_base + src1, M, D, H,
+                rows_n, col, cmask, s_i, smask, h_i, g_base, g_off, lse_ptr, prior_ptr, prior_lse_ptr, src_base, src1, M, D, H,
             )
             if ACC:
                 acc_n = tl.load(acc_base + acc1 + x_n, mask=(rows_n < tl.where(n_acc > 0, M, 0)) & cmask, other=0.0)
