@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lit_mhar.kernels.common import interpreted
-from lit_mhar.kernels.dispatch import DOT_SOURCES_CHUNK, Call, Launch, cdiv, plan, pow2, uses_site_loop
+from lit_mhar.kernels.dispatch import Call, Launch, cdiv, plan, uses_site_loop
 from lit_mhar.kernels.forward import fwd_kernel
 from lit_mhar.kernels.site_loop import bwd_sources_kernel, bwd_stats_kernel
 from lit_mhar.kernels.sink import SinkBinding

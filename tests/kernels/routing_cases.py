@@ -244,3 +244,14 @@ def triton_loss_and_grads(model, idx):
         loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def model_histories(monkeypatch, **kw) -> None:
+    """Build the model's depth histories with ``kw`` from now on (keyword arguments of
+    :class:`lit_mhar.routing.DepthHistory`: ``sink``, ``replay_stream``)."""
+    import functools
+
+    from lit_mhar import model as model_module
+    from lit_mhar import routing
+
+    monkeypatch.setattr(model_module, "DepthHistory", functools.partial(routing.DepthHistory, **kw))
