@@ -267,3 +267,25 @@ def test_step_bytes_report_names_a_failed_ncu_file_and_refuses_the_graph_knobs(s
     assert "350m prenorm: " in md and "no ncu CSV header" in md and "### 350m mhar-block8-H8" in md
     with pytest.raises(ValueError, match="cuda-graph"):
         step_bytes.profile_one_step("debug", "prenorm:cuda-graph", 0)
+
+
+@pytest.fixture
+def head_counts(monkeypatch):
+    yield from _benchmark_script(monkeypatch, "head_counts")
+
+
+def test_head_counts_measures_each_checkout_in_its_own_process(head_counts, tmp_path):
+    """A dry run on the CPU (debug scale, the reference path): this checkout and a second one (here
+    the same files, as ``--before`` takes an extracted archive) each measured against its own
+    prenorm, written as CSV and markdown; a folder that is not a checkout is refused."""
+    before = tmp_path / "before"
+    before.mkdir()
+    for name in ("lit_mhar", "kernels"):
+        (before / name).symlink_to(BENCHMARKS.parent / name)
+    assert head_counts.main(["--scales", "debug", "--variants", "attnres-block8-H1", "--steps", "1", "--warmup", "1",
+                             "--before", str(before), "--out", str(tmp_path)]) == 0
+    rows = (tmp_path / "head_counts.csv").read_text().splitlines()
+    assert len(rows) == 1 + 4 and all(",ok," in row for row in rows[1:])
+    assert "| attnres-block8-H1 |" in (tmp_path / "head_counts.md").read_text()
+    with pytest.raises(SystemExit):
+        head_counts.main(["--before", str(tmp_path), "--out", str(tmp_path)])
