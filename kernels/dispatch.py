@@ -73,7 +73,7 @@ MAX_TILE_ELEMENTS = 8192
 TILE_ELEMENTS = {"fwd": 4096, "merge_fwd": 4096, "bwd": 2048, "bwd_add": 2048, "bwd_stats": 2048, "bwd_sources": 2048}
 ELEMENTS_PER_THREAD = {"fwd": 32, "merge_fwd": 32, "bwd": 8, "bwd_add": 8, "bwd_stats": 16, "bwd_sources": 16}
 # (elements, warps) where measured better than the rule: (kind, lanes) for every head count,
-# (kind, lanes, heads) for that head count only (benchmarks/tune_tiles.py; BENCHMARKS.md, "Tiles").
+# (kind, lanes, heads) for that head count only (benchmarks/tune_tiles.py; BENCHMARKS.md, "Why the dispatch plan is what it is").
 TUNED_TILES: dict[tuple, tuple[int, int]] = {
     ("fwd", 512): (2048, 2), ("fwd", 1024): (2048, 2), ("merge_fwd", 512): (2048, 2), ("merge_fwd", 1024): (2048, 2),
     ("bwd_add", 512): (1024, 2), ("bwd_add", 1024): (1024, 2),

@@ -31,7 +31,7 @@ KERNELS = {
 }
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Kernels whose persistent grid is sized by the programs an SM holds (one wave); the vector site
-# loop's pass one launches 32 warps' worth per SM (sized, it was slower: BENCHMARKS.md, "Grids").
+# loop's pass one launches 32 warps' worth per SM (sized, it was slower: BENCHMARKS.md, "Why the dispatch plan is what it is").
 ONE_WAVE_KERNELS = frozenset({"bwd", "fwd_sites_dot", "fwd_sites_mix", "bwd_stats_dot", "bwd_sources_dot"})
 DOT_PROGRAMS_PER_SM = 16  # at most, in a tensor-core kernel's one-wave grid
 

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from lit_mhar.kernels import GradientSink, depth_route, merge_route, merge_route_norm, route_norm, route_norm_decode, route_sites, route_sites_decode
 
 
-# Defaults of the two-phase computation (BENCHMARKS.md, "Routing groups"). Full routing (S = 1)
+# Defaults of the two-phase computation (BENCHMARKS.md, "Why the dispatch plan is what it is"). Full routing (S = 1)
 # routes its sites in groups: each complete source is read once per group, not once per site; the
 # replacement form's merges read their sources once (a saved routed value), so it takes larger groups
 # than the additive form.

@@ -303,7 +303,7 @@ def test_merge_route_norm_block_outputs_give_identical_gradients_and_are_saved_i
     alone, and autograd keeps the start and the outputs instead of the stream and the running
     sum (bf16, float32; an fp16 running sum and the stream are kept as they are); the reference
     checks both sums."""
-    if CUDA and dtype == torch.float32:  # known, not understood: BENCHMARKS.md, sixteenth set
+    if CUDA and dtype == torch.float32:  # known, not understood: docs/benchmarks/history, sixteenth set
         request.node.add_marker(pytest.mark.xfail(strict=True, reason="on the GPU the prior lse's gradient of the rebuilt float32 running sum is not bit-identical"))
     g = torch.Generator().manual_seed(k + d)
     shape = (tokens, d)
