@@ -10,16 +10,16 @@ Training ops (forward | backward):
 =================================================  =================  ==================================
 call                                               forward            backward
 =================================================  =================  ==================================
-phase one (``route``, S >= 2), bf16, 3 <= N <= 8,  ``fwd_sites_mix``  ``bwd_stats_dot`` +
-dh = 128                                                              ``bwd_sources_dot``
-phase one, S >= 2, bf16, 3 <= N <= 128,            ``fwd_sites_dot``  ``bwd_stats_dot`` +
+phase one (``route``, 2 <= S <= 16), bf16,         ``fwd_sites_mix``  ``bwd_stats_dot`` +
+3 <= N <= 8, dh = 128                                                 ``bwd_sources_dot``
+phase one, 2 <= S <= 16, bf16, 3 <= N <= 128,      ``fwd_sites_dot``  ``bwd_stats_dot`` +
 128 <= dh <= 160                                                      ``bwd_sources_dot``
-phase one, bf16, 8 <= S <= 16, 3 <= N <= 128,      ``route_fwd``      ``bwd_stats_dot`` +
+phase one, bf16, 8 <= S <= 16, 3 <= N <= 128,      ``fwd``            ``bwd_stats_dot`` +
 64 <= dh < 128                                                        ``bwd_sources_dot``
-other ``route`` passes of S >= 2, and one site     ``route_fwd``      ``bwd_stats`` + ``bwd_sources``
+other ``route`` passes of S >= 2, and one site     ``fwd``            ``bwd_stats`` + ``bwd_sources``
 over N >= 9 sources (``route``, ``route-additive``)                   (the site loop)
-one site over N < 9 sources; every merge (a        ``route_fwd``      ``route_bwd`` (two passes per
-prior) and every fused norm                                           tile of tokens)
+one site over N < 9 sources; every merge (a        ``fwd``            ``bwd`` (two passes per tile
+prior) and every fused norm                                           of tokens)
 =================================================  =================  ==================================
 
 Pass two on tensor cores (``bwd_sources_dot``) takes at most :data:`DOT_SOURCES_CHUNK` sources per
@@ -27,7 +27,7 @@ launch; at a head width that is neither a power of two nor two column tiles (112
 ``bwd_sources`` instead. On tensor cores a float32 factor enters as a bf16x2 split (hi + lo), the
 products accumulate in float32.
 
-Tiles of the vector kernels (``route_fwd``, ``route_bwd``, ``bwd_stats``, ``bwd_sources``): a
+Tiles of the vector kernels (``fwd``, ``bwd``, ``bwd_stats``, ``bwd_sources``): a
 token's width is held as ``[BH heads, BDH lanes]`` (a head width that is a sum of two powers of two,
 96 = 64 + 32 or 160 = 128 + 32, as two tiles of BDH and DT lanes, :func:`lanes`); a program takes
 ``BM`` tokens of ``BS`` sites, ``BS * BM * lanes`` about :data:`TILE_ELEMENTS` [kind] float32
