@@ -26,7 +26,7 @@ from lit_mhar.kernels.reference import check_decode_args, check_sites_decode_arg
 
 
 @triton.jit
-def decode_kernel(
+def _decode_route_norm(
     hist_ptr, n_buf, slot_stride, pend_ptr,
     q_ptr, g_ptr, nw_ptr, stream_ptr, gate_ptr, out_ptr,
     part_ptr, part_ml_ptr, M, n_split,

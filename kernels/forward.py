@@ -20,7 +20,7 @@ from lit_mhar.kernels.common import ADD
 
 
 @triton.jit
-def fwd_kernel(
+def _route_fwd(
     src_base, src_offs, n_src,
     w_ptr, n_sites,
     out_base, out_offs,

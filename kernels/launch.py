@@ -18,16 +18,16 @@ from torch import Tensor
 
 from lit_mhar.kernels.common import interpreted
 from lit_mhar.kernels.dispatch import Call, Launch, cdiv, plan, uses_site_loop
-from lit_mhar.kernels.forward import fwd_kernel
-from lit_mhar.kernels.site_loop import bwd_sources_kernel, bwd_stats_kernel
+from lit_mhar.kernels.forward import _route_fwd
+from lit_mhar.kernels.site_loop import _route_bwd_sources, _route_bwd_stats
 from lit_mhar.kernels.sink import SinkBinding
-from lit_mhar.kernels.tensor_cores import bwd_sources_dot_kernel, bwd_stats_dot_kernel, fwd_sites_dot_kernel, fwd_sites_mix_kernel
-from lit_mhar.kernels.two_pass import bwd_kernel
+from lit_mhar.kernels.tensor_cores import _route_bwd_sources_dot, _route_bwd_stats_dot, _route_fwd_sites_dot, _route_fwd_sites_mix
+from lit_mhar.kernels.two_pass import _route_bwd
 
 KERNELS = {
-    "fwd": fwd_kernel, "bwd": bwd_kernel, "bwd_stats": bwd_stats_kernel, "bwd_sources": bwd_sources_kernel,
-    "fwd_sites_mix": fwd_sites_mix_kernel, "fwd_sites_dot": fwd_sites_dot_kernel,
-    "bwd_stats_dot": bwd_stats_dot_kernel, "bwd_sources_dot": bwd_sources_dot_kernel,
+    "fwd": _route_fwd, "bwd": _route_bwd, "bwd_stats": _route_bwd_stats, "bwd_sources": _route_bwd_sources,
+    "fwd_sites_mix": _route_fwd_sites_mix, "fwd_sites_dot": _route_fwd_sites_dot,
+    "bwd_stats_dot": _route_bwd_stats_dot, "bwd_sources_dot": _route_bwd_sources_dot,
 }
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Kernels whose persistent grid is sized by the programs an SM holds (one wave); the vector site
@@ -55,7 +55,7 @@ def kernel(name: str, interpret: bool):
     """Kernel family ``name`` (a key of :data:`KERNELS`, or ``decode``) compiled for CUDA, or built
     for Triton's interpreter (CPU tensors)."""
     if name == "decode":
-        from lit_mhar.kernels.decode import decode_kernel as k
+        from lit_mhar.kernels.decode import _decode_route_norm as k
     else:
         k = KERNELS[name]
     return interpreted(k) if interpret else k

@@ -21,7 +21,7 @@ from lit_mhar.kernels.common import ADD
 
 
 @triton.jit
-def bwd_stats_kernel(
+def _route_bwd_stats(
     src_base, src_offs, n_src,
     w_ptr, n_sites,
     g_base, g_offs,
@@ -169,7 +169,7 @@ def bwd_stats_kernel(
 
 
 @triton.jit
-def bwd_sources_kernel(
+def _route_bwd_sources(
     src_base, src_offs, n_src,
     w_ptr, n_sites,
     g_base, g_offs,

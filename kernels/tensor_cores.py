@@ -24,12 +24,12 @@ from lit_mhar.kernels.common import ADD, MAX, dot_scores, source_grad_dot, split
 
 
 @triton.jit
-def fwd_sites_mix_kernel(
+def _route_fwd_sites_mix(
     src_base, src_offs, n_src, w_ptr, wlo_ptr, n_sites, out_base, out_offs, lse_ptr, rstd_ptr, M, eps, num_tiles, progs,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr, BSO: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
     ALIGN: tl.constexpr, STORE_RSTD: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    # What ``fwd_sites_dot_kernel`` computes (a head width that is one power-of-two tile): the
+    # What ``_route_fwd_sites_dot`` computes (a head width that is one power-of-two tile): the
     # scores on tensor cores without repeating the weights per token, the weighted sum on the vector
     # units. Per tile of BM tokens, after the key rstd (each (token, source) row's squares summed
     # over the width), per head h:
@@ -97,7 +97,7 @@ def fwd_sites_mix_kernel(
 
 
 @triton.jit
-def fwd_sites_dot_kernel(
+def _route_fwd_sites_dot(
     src_base, src_offs, n_src,
     w_ptr, wlo_ptr, n_sites,
     out_base, out_offs,
@@ -107,8 +107,8 @@ def fwd_sites_dot_kernel(
     ALIGN: tl.constexpr, STORE_RSTD: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # Phase one forward on tensor cores (bf16 sources, replacement form, no prior): the outputs of
-    # ``fwd_kernel`` for all S <= BS sites of a pass, with every N <= BN source of a token in one
-    # tile (``dispatch.dot_tile``'s tiles, as in ``bwd_stats_dot_kernel``). Program p takes token tiles p,
+    # ``_route_fwd`` for all S <= BS sites of a pass, with every N <= BN source of a token in one
+    # tile (``dispatch.dot_tile``'s tiles, as in ``_route_bwd_stats_dot``). Program p takes token tiles p,
     # p + progs, ... and, per tile, first sums each (token, source) row's squares over the whole
     # width (the key rstd), then per head h forms
     #   sc = rstd * W V^T,  alpha = softmax over the row's own token,  out = alpha V     [BM*BS, DHP]
@@ -182,7 +182,7 @@ def fwd_sites_dot_kernel(
 
 
 @triton.jit
-def bwd_stats_dot_kernel(
+def _route_bwd_stats_dot(
     src_base, src_offs, n_src,
     w_ptr, wlo_ptr, n_sites,
     g_base, g_offs,
@@ -194,7 +194,7 @@ def bwd_stats_dot_kernel(
     STORE_SA: tl.constexpr, STORE_T: tl.constexpr,
 ):
     # Site-loop backward, pass one, on tensor cores (bf16 sources and gradients): the outputs of
-    # ``bwd_stats_kernel`` (replacement form, saved key rstd, all N <= BN sources in one tile, head
+    # ``_route_bwd_stats`` (replacement form, saved key rstd, all N <= BN sources in one tile, head
     # width DH padded to DHP, a power of two >= 16, by masked columns). Program (p, h) serves head h
     # of token tiles p, p + progs, ... A tile of BM tokens is held as rows (token, site) [BM*BS, DHP]
     # (the sites' output gradients dR; the weights W = q * g repeated per token) and rows
@@ -212,8 +212,8 @@ def bwd_stats_dot_kernel(
     # kernel's at large score spreads). DOT_F32 (the interpreter, whose bf16 ``tl.dot`` is wrong)
     # multiplies the same bf16 values in float32. STORE_SA writes the scores and a for the vector
     # pass two; STORE_T instead writes this head's share of the key norm's term
-    # t = sum_s ds_s * sc_s per (source, token) ([N, M, H] float32) for ``bwd_sources_dot_kernel``.
-    # DT > 0: a head's last DT columns are a second tile (``fwd_sites_dot_kernel``).
+    # t = sum_s ds_s * sc_s per (source, token) ([N, M, H] float32) for ``_route_bwd_sources_dot``.
+    # DT > 0: a head's last DT columns are a second tile (``_route_fwd_sites_dot``).
     pid = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.arange(0, BM * BS)  # rows (token, site)
@@ -286,7 +286,7 @@ def bwd_stats_dot_kernel(
 
 
 @triton.jit
-def bwd_sources_dot_kernel(
+def _route_bwd_sources_dot(
     src_base, src_offs, n_src,
     w_ptr, wlo_ptr, n_sites,
     g_base, g_offs,
@@ -296,17 +296,17 @@ def bwd_sources_dot_kernel(
     D: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, DT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
     BM: tl.constexpr, ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, DOT_F32: tl.constexpr, ACC: tl.constexpr,
 ):
-    # Site-loop backward, pass two, on tensor cores (bf16, after ``bwd_stats_dot_kernel`` with
-    # STORE_T): the source gradients of ``bwd_sources_kernel``,
+    # Site-loop backward, pass two, on tensor cores (bf16, after ``_route_bwd_stats_dot`` with
+    # STORE_T): the source gradients of ``_route_bwd_sources``,
     #   dv = alpha^T dR + (ds * rstd)^T W - v rstd^2 t / d,      rows (token, source) [BM*BN, DHP]
-    # on tiles laid out as ``bwd_stats_dot_kernel``'s (program (p, h): head h of every progs-th tile
+    # on tiles laid out as ``_route_bwd_stats_dot``'s (program (p, h): head h of every progs-th tile
     # of BM tokens), recomputing the scores and a = <dr, v> as there (no [S, N, M, H, 2] round trip)
     # and summing t over the heads from the partials pass one stored. The host launches it once per
     # chunk of at most ``dispatch.DOT_SOURCES_CHUNK`` sources, each with its own tile: n_src, n_acc, the offset
     # tables, rstd and t then count from the chunk's first source. The coefficients and W enter
     # as bf16x2 splits (hi * hi + hi * lo + lo * hi); dR and V are bf16 already. With ACC, source
     # i < n_acc adds acc_base + acc_offs[i] (a gradient sink's sum so far). DT > 0: a head's last DT
-    # columns are a second tile (``fwd_sites_dot_kernel``).
+    # columns are a second tile (``_route_fwd_sites_dot``).
     pid = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.arange(0, BM * BS)  # rows (token, site)

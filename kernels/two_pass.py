@@ -39,7 +39,7 @@ def _merge_tile(
 
 
 @triton.jit
-def bwd_kernel(
+def _route_bwd(
     src_base, src_offs, n_src, n_rep, pre_offs,
     w_ptr, n_sites,
     g_base, g_offs,
@@ -63,7 +63,7 @@ def bwd_kernel(
     written as per-program partials ``[programs, ..., D]`` the host sums in a fixed order.
     """
     # Source i's gradient goes to dsrc_base + dsrc_offs[i]; with ACC, sources i < n_acc add to it
-    # acc_base + acc_offs[i] (a gradient sink's sum so far, see bwd_sources_kernel). With
+    # acc_base + acc_offs[i] (a gradient sink's sum so far, see _route_bwd_sources). With
     # STREAM_ACC the stream's gradient (fused norm, additive form) adds dstream_acc_ptr's likewise.
     # With REPLAY (fused norm, additive form, a float32 stream) stream_ptr holds the stream at the
     # group's start and the stream is that plus the sources, added in order in float32 as the

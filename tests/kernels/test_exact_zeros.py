@@ -4,8 +4,8 @@ site sees the embedding alone, so its pseudo-query and key-norm gain get exactly
 2-6), not a rounding residue that Adam would turn into drift.
 
 Proves, on the fused kernels (Triton's interpreter here) and on the reference: the first site's
-query and gain gradients are exactly 0 in full and block routing, MHAR and Delta AttnRes, float32
-and bf16 autocast; and at the op level, over one source, each kernel family that serves such a pass
+query and gain gradients are exactly 0 in full and block routing, MHAR and Delta AttnRes, under
+bf16 autocast (float32: ``test_model_routing.py``); and at the op level, over one source, each kernel family that serves such a pass
 (the site loop, the two-pass kernel, the fused norm) gives a score gradient of exactly the lse's.
 """
 
@@ -21,12 +21,14 @@ from lit_mhar.kernels import triton_routing as tr
 FIRST_SITE = ("blocks.0.attn_site.query", "blocks.0.attn_site.key_gain")
 
 
-@pytest.mark.parametrize("backend", ["triton", "reference"])
-@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+# float32 on the Triton path is test_model_routing.py's (every model there); here bf16 autocast, and
+# the reference
 @pytest.mark.parametrize(
-    "residual,heads,block_size,n_layer",
-    [("delta", 2, 2, 3), ("delta", 8, 1, 3), ("delta", 4, 3, 3), ("attnres", 4, 3, 3), ("attnres", 2, 1, 3), ("attnres", 2, 1, 7)],
-    ids=["delta-block-S2", "delta-full", "delta-block-S3", "mhar-block-S3", "mhar-full", "mhar-full-two-groups"],
+    "residual,heads,block_size,n_layer,autocast,backend",
+    [("delta", 2, 2, 3, True, "triton"), ("delta", 8, 1, 3, True, "triton"), ("attnres", 2, 1, 7, True, "triton"),
+     ("delta", 2, 2, 3, False, "reference"), ("attnres", 2, 1, 3, False, "reference")],
+    ids=["delta-block-S2-bf16-autocast", "delta-full-bf16-autocast", "mhar-full-two-groups-bf16-autocast", "delta-block-S2-reference",
+         "mhar-full-reference"],
 )
 def test_first_site_query_and_gain_get_exactly_zero_gradients(residual, heads, block_size, n_layer, autocast, backend):
     model = tiny_model(residual, heads, block_size, n_layer=n_layer)
