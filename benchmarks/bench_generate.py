@@ -58,7 +58,7 @@ VARIANTS = {  # name -> ModelConfig overrides; "8blocks": S = 2L / 8
     "prenorm": dict(residual="prenorm"),
     "mhar-block8-H8": dict(residual="attnres", heads=8, block_size="8blocks"),
     "mhar-full-H8": dict(residual="attnres", heads=8, block_size=1),
-    # the same models with the decode path's knobs set otherwise, for side-by-side comparison
+    # the same models with the decode path's table entries set otherwise, for side-by-side comparison
     "mhar-full-H8-split": dict(residual="attnres", heads=8, block_size=1),
     "mhar-block8-H8-t1024": dict(residual="attnres", heads=8, block_size="8blocks"),
     "mhar-full-H8-t1024": dict(residual="attnres", heads=8, block_size=1),
@@ -68,8 +68,8 @@ VARIANTS = {  # name -> ModelConfig overrides; "8blocks": S = 2L / 8
 # -t1024: decode tiles of 1024 elements (one slot at d = 1024; the default is 2048).
 KNOBS = {
     "mhar-full-H8-split": {("lit_mhar.routing", "DECODE_PREFIX_MIN_SOURCES"): 1 << 30},
-    "mhar-block8-H8-t1024": {("lit_mhar.kernels.triton_routing", "DECODE_TILE_ELEMENTS"): 1024},
-    "mhar-full-H8-t1024": {("lit_mhar.kernels.triton_routing", "DECODE_TILE_ELEMENTS"): 1024},
+    "mhar-block8-H8-t1024": {("lit_mhar.kernels.dispatch", "DECODE_TILE_ELEMENTS"): 1024},
+    "mhar-full-H8-t1024": {("lit_mhar.kernels.dispatch", "DECODE_TILE_ELEMENTS"): 1024},
 }
 
 
@@ -170,7 +170,7 @@ class Decoder:
                 self.step()
         torch.cuda.current_stream().wait_stream(side)
         # (the routing ops' offset tables made during the capture keep their pinned host memory,
-        # which the captured copies re-read at every replay: lit_mhar.kernels.triton_routing._offsets)
+        # which the captured copies re-read at every replay: lit_mhar.kernels.launch.offsets)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.step()

@@ -32,7 +32,7 @@ import traceback
 import torch
 from triton.testing import do_bench
 
-from lit_mhar.kernels import reference
+from lit_mhar.kernels import dispatch, reference
 from lit_mhar.kernels import triton_routing
 
 SCALES = {  # d, layers, tokens per step (batch, seq)
@@ -42,19 +42,22 @@ SCALES = {  # d, layers, tokens per step (batch, seq)
     "tiny": (96, 2, (1, 70)),  # a dry run of this script (BENCH_DEVICE=cpu runs it in Triton's interpreter)
 }
 DEVICE = os.environ.get("BENCH_DEVICE", "cuda")
-BACKWARDS = {  # variant -> (SITE_LOOP_MIN_SITES, SITE_LOOP_MIN_SOURCES): which backward kernel autograd runs
-    "triton": (triton_routing.SITE_LOOP_MIN_SITES, triton_routing.SITE_LOOP_MIN_SOURCES),
-    "triton-siteloop": (1, 1),
-    "triton-twopass": (10**9, 10**9),
+# variant -> dispatch table entries: which backward kernel autograd runs, or the general rule's tiles
+VARIANT_TABLES = {
+    "triton": {},
+    "triton-siteloop": dict(SITE_LOOP_MIN_SITES=1, SITE_LOOP_MIN_SOURCES=1),
+    "triton-twopass": dict(SITE_LOOP_MIN_SITES=10**9, SITE_LOOP_MIN_SOURCES=10**9),
+    "triton-untuned": dict(TUNED_TILES={}),
 }
-PACKAGE_TUNED_TILES = triton_routing.TUNED_TILES  # the package's own table (restored, never copied)
 
 
-def use_backward(variant: str) -> None:
-    """Select the backward kernel for ``variant`` (the package's rule for any other name), and for
-    ``triton-untuned`` the general rule's tiles (``TUNED_TILES`` empty) in both directions."""
-    triton_routing.SITE_LOOP_MIN_SITES, triton_routing.SITE_LOOP_MIN_SOURCES = BACKWARDS.get(variant, BACKWARDS["triton"])
-    triton_routing.TUNED_TILES = {} if variant == "triton-untuned" else PACKAGE_TUNED_TILES
+def use_backward(variant: str):
+    """The dispatch table of ``variant`` (the package's for any other name) for a ``with`` block:
+    the backward kernel it forces, and for ``triton-untuned`` the general rule's tiles (no
+    ``TUNED_TILES``) in both directions."""
+    return dispatch.overrides(**VARIANT_TABLES.get(variant, {}))
+
+
 TOL = 1e-2  # bf16 sources and outputs: relative L2 error against float64
 FIELDS = ["scale", "N", "H", "variant", "status", "fwd_ms", "bwd_ms", "both_ms", "fwd_GBps", "bwd_GBps", "fwd_frac_copy", "bwd_frac_copy",
           "err_out", "err_dsrc", "err_dq", "err_dg", "copy_GBps", "note"]
@@ -156,39 +159,38 @@ def bench_shape(scale, n, heads, variants, copy_gbps, writer, fh):
     bwd_bytes = (2 * n + 1) * M * d * esize
     for name, fn in variants.items():
         row = dict(scale=scale, N=n, H=heads, variant=name, copy_GBps=round(copy_gbps, 1))
-        use_backward(name)  # the backward kernel is chosen when autograd runs it
-        try:
-            out = fn(sources, q, g)
-            grads = torch.autograd.grad(out, inputs, dout)
-            errs = dict(err_out=rel(out, ref_out), err_dsrc=rel_list(grads[:n], ref_dsrc), err_dq=rel(grads[n], ref_dq), err_dg=rel(grads[n + 1], ref_dg))
-            row.update({k: f"{v:.2e}" for k, v in errs.items()})
-            del out, grads
-            if max(errs.values()) > TOL:
-                row["status"] = "FAILED correctness"
-                writer.writerow(row)
-                fh.flush()
-                print(json.dumps(row), flush=True)
-                continue
-            out = fn(sources, q, g)
-            fwd = do_bench(lambda: fn(sources, q, g), warmup=10, rep=100, return_mode="median")
-            bwd = do_bench(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), warmup=10, rep=100, return_mode="median")
-            both = do_bench(lambda: torch.autograd.grad(fn(sources, q, g), inputs, dout), warmup=10, rep=100, return_mode="median")
-            del out
-            row.update(
-                status="ok", fwd_ms=f"{fwd:.4f}", bwd_ms=f"{bwd:.4f}", both_ms=f"{both:.4f}",
-                fwd_GBps=f"{fwd_bytes / fwd / 1e6:.0f}", bwd_GBps=f"{bwd_bytes / bwd / 1e6:.0f}",
-                fwd_frac_copy=f"{fwd_bytes / fwd / 1e6 / copy_gbps:.3f}", bwd_frac_copy=f"{bwd_bytes / bwd / 1e6 / copy_gbps:.3f}",
-            )
-        except torch.cuda.OutOfMemoryError:
-            row.update(status="OOM")
-        except Exception as e:  # noqa: BLE001 - a peer failing at a shape is a result
-            row.update(status="error", note=repr(e)[:200])
-            traceback.print_exc()
+        with use_backward(name):  # the backward kernel is chosen when autograd runs it
+            try:
+                out = fn(sources, q, g)
+                grads = torch.autograd.grad(out, inputs, dout)
+                errs = dict(err_out=rel(out, ref_out), err_dsrc=rel_list(grads[:n], ref_dsrc), err_dq=rel(grads[n], ref_dq), err_dg=rel(grads[n + 1], ref_dg))
+                row.update({k: f"{v:.2e}" for k, v in errs.items()})
+                del out, grads
+                if max(errs.values()) > TOL:
+                    row["status"] = "FAILED correctness"
+                    writer.writerow(row)
+                    fh.flush()
+                    print(json.dumps(row), flush=True)
+                    continue
+                out = fn(sources, q, g)
+                fwd = do_bench(lambda: fn(sources, q, g), warmup=10, rep=100, return_mode="median")
+                bwd = do_bench(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), warmup=10, rep=100, return_mode="median")
+                both = do_bench(lambda: torch.autograd.grad(fn(sources, q, g), inputs, dout), warmup=10, rep=100, return_mode="median")
+                del out
+                row.update(
+                    status="ok", fwd_ms=f"{fwd:.4f}", bwd_ms=f"{bwd:.4f}", both_ms=f"{both:.4f}",
+                    fwd_GBps=f"{fwd_bytes / fwd / 1e6:.0f}", bwd_GBps=f"{bwd_bytes / bwd / 1e6:.0f}",
+                    fwd_frac_copy=f"{fwd_bytes / fwd / 1e6 / copy_gbps:.3f}", bwd_frac_copy=f"{bwd_bytes / bwd / 1e6 / copy_gbps:.3f}",
+                )
+            except torch.cuda.OutOfMemoryError:
+                row.update(status="OOM")
+            except Exception as e:  # noqa: BLE001 - a peer failing at a shape is a result
+                row.update(status="error", note=repr(e)[:200])
+                traceback.print_exc()
         torch.cuda.empty_cache()
         writer.writerow(row)
         fh.flush()
         print(json.dumps(row), flush=True)
-    use_backward("triton")
 
 
 def bench_phase_one(scale, n, heads, copy_gbps, writer, fh):
@@ -218,29 +220,28 @@ def bench_phase_one(scale, n, heads, copy_gbps, writer, fh):
         ref[n + 1] += grads[n + 1]
     bwd_bytes = (2 * n + S) * M * d * 2
     for name in ("phase1-siteloop", "phase1-twopass"):
-        use_backward(name.replace("phase1", "triton"))
-        row = dict(scale=scale, N=n, H=heads, variant=name, copy_GBps=round(copy_gbps, 1), note=f"S={S}")
-        try:
-            outs, lse = triton_routing.route_sites(sources, q, g, heads)
-            grads = torch.autograd.grad([*outs, lse], inputs, [*douts, dlse], retain_graph=True)
-            errs = dict(err_dsrc=rel_list(grads[:n], ref[:n]), err_dq=rel(grads[n], ref[n]), err_dg=rel(grads[n + 1], ref[n + 1]))
-            row.update({k: f"{v:.2e}" for k, v in errs.items()})
-            del grads
-            if max(errs.values()) > TOL:
-                row["status"] = "FAILED correctness"
-            else:
-                fwd = do_bench(lambda: triton_routing.route_sites(sources, q, g, heads), warmup=10, rep=100, return_mode="median")
-                bwd = do_bench(lambda: torch.autograd.grad([*outs, lse], inputs, [*douts, dlse], retain_graph=True), warmup=10, rep=100, return_mode="median")
-                row.update(status="ok", fwd_ms=f"{fwd:.4f}", bwd_ms=f"{bwd:.4f}", both_ms=f"{fwd + bwd:.4f}",
-                           bwd_GBps=f"{bwd_bytes / bwd / 1e6:.0f}", bwd_frac_copy=f"{bwd_bytes / bwd / 1e6 / copy_gbps:.3f}")
-            del outs, lse
-        except Exception as e:  # noqa: BLE001 - the two-pass kernel refuses too many sites at wide d
-            row.update(status="error", note=f"S={S} " + repr(e)[:200])
+        with use_backward(name.replace("phase1", "triton")):
+            row = dict(scale=scale, N=n, H=heads, variant=name, copy_GBps=round(copy_gbps, 1), note=f"S={S}")
+            try:
+                outs, lse = triton_routing.route_sites(sources, q, g, heads)
+                grads = torch.autograd.grad([*outs, lse], inputs, [*douts, dlse], retain_graph=True)
+                errs = dict(err_dsrc=rel_list(grads[:n], ref[:n]), err_dq=rel(grads[n], ref[n]), err_dg=rel(grads[n + 1], ref[n + 1]))
+                row.update({k: f"{v:.2e}" for k, v in errs.items()})
+                del grads
+                if max(errs.values()) > TOL:
+                    row["status"] = "FAILED correctness"
+                else:
+                    fwd = do_bench(lambda: triton_routing.route_sites(sources, q, g, heads), warmup=10, rep=100, return_mode="median")
+                    bwd = do_bench(lambda: torch.autograd.grad([*outs, lse], inputs, [*douts, dlse], retain_graph=True), warmup=10, rep=100, return_mode="median")
+                    row.update(status="ok", fwd_ms=f"{fwd:.4f}", bwd_ms=f"{bwd:.4f}", both_ms=f"{fwd + bwd:.4f}",
+                               bwd_GBps=f"{bwd_bytes / bwd / 1e6:.0f}", bwd_frac_copy=f"{bwd_bytes / bwd / 1e6 / copy_gbps:.3f}")
+                del outs, lse
+            except Exception as e:  # noqa: BLE001 - the two-pass kernel refuses too many sites at wide d
+                row.update(status="error", note=f"S={S} " + repr(e)[:200])
         torch.cuda.empty_cache()
         writer.writerow(row)
         fh.flush()
         print(json.dumps(row), flush=True)
-    use_backward("triton")
 
 
 def main(argv=None):

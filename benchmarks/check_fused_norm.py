@@ -1,9 +1,10 @@
 """Numerics of the routing kernels' bf16 paths against float32, on one GPU.
 
 For each variant, from the same weights and tokens, one forward and backward (no optimiser step):
-bf16 autocast with the defaults (``FUSED_NORM``, ``SINK_SOURCE_GRADIENTS``), bf16 autocast with
-the merge and the norm module as two ops (unfused), bf16 autocast with autograd summing the
-source gradients (no sink), and float32 without autocast (the defaults; the kernels' float32
+bf16 autocast with the defaults (each site's merge fused with the next RMSNorm, a gradient sink),
+bf16 autocast with the merge and the norm module as two ops (unfused: the norms made plain
+modules, which the depth history does not fuse), bf16 autocast with autograd summing the source
+gradients (``DepthHistory(sink=False)``), and float32 without autocast (the defaults; the kernels' float32
 arithmetic). Prints, for each bf16 path, the loss difference from float32 and the relative L2
 error of all parameter gradients concatenated (and of the routing parameters' alone) against
 float32. The defaults should be no further from float32 than the alternatives; ``prenorm`` gives
@@ -17,8 +18,11 @@ the baseline's own bf16 error.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -26,21 +30,42 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_training import DEVICE, SCALES, VARIANTS  # noqa: E402  (one table of scales and variants)
 
 from lit_mhar import LM, ModelConfig, routing  # noqa: E402
+from lit_mhar import model as model_module  # noqa: E402
 from lit_mhar.kernels import use_backend  # noqa: E402
+
+
+class PlainRMSNorm(torch.nn.Module):
+    """``nn.RMSNorm``'s forward in a module that is not an ``nn.RMSNorm``: the depth history then
+    runs each site's merge and this norm as two ops."""
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+@contextlib.contextmanager
+def routed(model: LM, fused: bool, sink: bool):
+    """``model`` with its routing sites' merges fused with the next RMSNorm or not, its depth
+    histories summing source gradients in a sink or not, for the duration."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm) and m.weight is not None]
+    history = functools.partial(routing.DepthHistory, sink=sink)
+    try:
+        for norm in norms:
+            norm.__class__ = torch.nn.RMSNorm if fused else PlainRMSNorm
+        with mock.patch.object(model_module, "DepthHistory", history):
+            yield
+    finally:
+        for norm in norms:
+            norm.__class__ = torch.nn.RMSNorm
 
 
 def gradients(model: LM, x: torch.Tensor, y: torch.Tensor, autocast: bool, fused: bool, sink: bool = True) -> tuple[float, dict]:
     """``(loss, {name: float64 gradient})`` of one forward and backward."""
-    old, routing.FUSED_NORM = routing.FUSED_NORM, fused
-    old_sink, routing.SINK_SOURCE_GRADIENTS = routing.SINK_SOURCE_GRADIENTS, sink
-    try:
+    with routed(model, fused, sink):
         model.zero_grad(set_to_none=True)
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
             logits = model(x)
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()
-    finally:
-        routing.FUSED_NORM, routing.SINK_SOURCE_GRADIENTS = old, old_sink
     return loss.item(), {n: p.grad.double().flatten() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -66,7 +91,6 @@ def main() -> None:
     batch = args.batch if DEVICE == "cuda" else 1
     for name in names:
         kw = dict(VARIANTS[name])
-        kw.pop("full_routing_group", None)
         if kw.get("block_size") == "8blocks":
             kw["block_size"] = 2 * layers // 8
         cfg = ModelConfig.from_name(scale, **kw)

@@ -23,7 +23,7 @@ cd /tmp
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 if [[ " $STEPS " == *" tests "* ]]; then
-  timeout ${TEST_TIMEOUT:-150} python3 -m pytest $(for f in ${TEST_FILES:-tests/test_routing_kernels.py}; do echo "$R/$f"; done) -q -n ${TEST_WORKERS:-8} -p no:cacheprovider -m "${TEST_MARK:-gpu or not gpu}" -k "${TEST_K:-}" \
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest $(for f in ${TEST_FILES:-tests/kernels}; do echo "$R/$f"; done) -q -n ${TEST_WORKERS:-8} -p no:cacheprovider -m "${TEST_MARK:-gpu or not gpu}" -k "${TEST_K:-}" \
     > "$OUT/tests.log" 2>&1; echo "tests exit $? at $SECONDS s"; grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -15
 fi
 if [[ " $STEPS " == *" ncu "* ]]; then

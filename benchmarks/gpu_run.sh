@@ -22,7 +22,7 @@ cd /tmp  # outside the source tree, so that the installed lit_mhar (with lit_mha
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 if [[ " $steps " == *" tests "* ]]; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest "$REPO/tests/test_routing_kernels.py" -q -n 16 -p no:cacheprovider -x \
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest "$REPO/tests/kernels" -q -n 16 -p no:cacheprovider -x \
     -m "${TEST_MARK:-gpu or not gpu}" > "$OUT/tests.log" 2>&1
   echo "tests exit $?"; tail -5 "$OUT/tests.log"
 fi

@@ -12,7 +12,7 @@ code measured in one run, never against GPU timings.
 
     python benchmarks/host_overhead_cpu.py --scale 350m --variants prenorm,mhar-block8-H8,delta-block8-H8
     python benchmarks/host_overhead_cpu.py --scale 350m --variants mhar-block8-H8 --profile 25
-    python benchmarks/host_overhead_cpu.py --scale 350m --rounds 4 --variants mhar-block8-H8,mhar-block8-H8:triton-arith
+    python benchmarks/host_overhead_cpu.py --scale 350m --rounds 4 --variants mhar-block8-H8,delta-block8-H8
 
 Prints, per variant, the median over ``--steps`` steps of a step's host time in ms (forward and
 backward, no optimiser) and the routing kernels' launches in a step, and with ``--profile N`` the
@@ -34,8 +34,7 @@ import torch
 
 from bench_training import SCALES, knobs, split_variant, variant_config
 from lit_mhar import LM
-from lit_mhar.kernels import triton_routing as tr
-from lit_mhar.kernels import use_backend
+from lit_mhar.kernels import decode, launch, use_backend
 
 TINY = dict(d_model=128, n_head=4, n_kv_head=2, ffn_dim=128, vocab_size=128, seq_len=16)  # widths that cost nothing
 
@@ -57,7 +56,8 @@ def measure(scale: str, name: str, steps: int, warmup: int, profile: int) -> tup
     ``bench_training.py`` names variants and knobs) at :data:`TINY` widths, the routing kernels'
     launches in a step, and the cProfile table (or "")."""
     overrides, knob_names = split_variant(name)
-    with knobs(knob_names), use_backend("triton"), mock.patch.object(tr, "_kernel", lambda name, interpret: _NoLaunch()):
+    stub = lambda name, interpret: _NoLaunch()  # noqa: E731
+    with knobs(knob_names), use_backend("triton"), mock.patch.object(launch, "kernel", stub), mock.patch.object(decode, "kernel", stub):
         torch.manual_seed(0)
         model = LM(variant_config(scale, overrides, **TINY))
         params = list(model.parameters())

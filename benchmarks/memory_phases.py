@@ -28,7 +28,7 @@ import sys
 import torch
 
 from bench_training import DEVICE, SCALES, knobs, split_variant, training_parts
-from lit_mhar.kernels import triton_routing as tr
+from lit_mhar.kernels import autograd as routing_autograd
 
 FIELDS = ["scale", "variant", "fwd_peak_GiB", "after_fwd_GiB", "bwd_peak_GiB", "opt_peak_GiB", "bwd_calls", "bwd_entry_max_GiB", "bwd_entry_argmax", "status"]
 GiB = 2**30
@@ -111,7 +111,7 @@ def phases(scale: str, name: str, trace: bool = False) -> dict:
             forward().backward()
             update()
         entries = []
-        original = tr._RouteFunction.backward
+        original = routing_autograd._RouteFunction.backward
 
         def spy(ctx, *grads):
             entries.append(torch.cuda.memory_allocated())
@@ -130,11 +130,11 @@ def phases(scale: str, name: str, trace: bool = False) -> dict:
             fwd_peak, after_fwd = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
             n_fwd = len(_events()) if trace else 0
             torch.cuda.reset_peak_memory_stats()
-            tr._RouteFunction.backward = staticmethod(spy)
+            routing_autograd._RouteFunction.backward = staticmethod(spy)
             try:
                 loss.backward()
             finally:
-                tr._RouteFunction.backward = staticmethod(original)
+                routing_autograd._RouteFunction.backward = staticmethod(original)
             torch.cuda.synchronize()
             bwd_peak = torch.cuda.max_memory_allocated()
             if trace:

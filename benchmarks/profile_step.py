@@ -6,7 +6,7 @@ variant it writes the step's wall time, the GPU's busy time, and the GPU time pe
 kernel name (top ``--top``), grouped into categories (routing forward / backward, matmul,
 attention, compiled (inductor) kernels, elementwise, reductions and copies), as markdown and JSON.
 
-    python benchmarks/profile_step.py --scale 350m --variants prenorm,mhar-block8-H8,mhar-block8-H8:grid32 --out results/
+    python benchmarks/profile_step.py --scale 350m --variants prenorm,mhar-block8-H8,mhar-block8-H8:cuda-graph --out results/
 
 Variants take ``bench_training.py``'s kernel knobs (``<variant>:<knob>``).
 """

@@ -11,8 +11,9 @@ at the scale's width (350m: d = 1024), bf16, H = 8, batch 1 and 32:
   and k later slots, then the pending output;
 - ``phase1-N{n}-G8``: phase one of a group of 8 full-routing sites over n slots.
 
-Knobs: ``DECODE_TILE_ELEMENTS`` and ``DECODE_WARPS`` for a site's op, ``DECODE_SITES_TILE_ELEMENTS``
-and ``DECODE_SITES_WARPS`` for phase one. Every configuration is checked against the default's
+Tried: the dispatch table's ``DECODE_TILE_ELEMENTS`` and ``DECODE_WARPS`` for a site's op,
+``DECODE_SITES_TILE_ELEMENTS`` and ``DECODE_SITES_WARPS`` for phase one
+(:func:`lit_mhar.kernels.dispatch.overrides`). Every configuration is checked against the default's
 output first (relative L2 difference).
 
     python benchmarks/tune_decode.py --scale 350m --out OUT    # writes OUT/tune_decode.csv
@@ -30,6 +31,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
+from lit_mhar.kernels import dispatch
 from lit_mhar.kernels import triton_routing as tr
 
 WIDTHS = {"100m": 512, "350m": 1024, "1b": 1280}
@@ -55,8 +57,7 @@ def main(argv=None) -> int:
     q = 2.0 * (heads / d) ** 0.5 * torch.randn(8, d, device=dev, generator=g)
     gn = 1 + 0.3 * torch.randn(8, d, device=dev, generator=g)
     nw = 1 + 0.2 * torch.randn(d, device=dev, generator=g)
-    knobs = {False: ("DECODE_TILE_ELEMENTS", "DECODE_WARPS"), True: ("DECODE_SITES_TILE_ELEMENTS", "DECODE_SITES_WARPS")}
-    defaults = {k: tuple(getattr(tr, a) for a in v) for k, v in knobs.items()}
+    entries = {False: ("DECODE_TILE_ELEMENTS", "DECODE_WARPS"), True: ("DECODE_SITES_TILE_ELEMENTS", "DECODE_SITES_WARPS")}
     path = os.path.join(args.out, "tune_decode.csv")
     with open(path, "a", newline="") as fh:
         w = csv.DictWriter(fh, FIELDS)
@@ -77,38 +78,33 @@ def main(argv=None) -> int:
                 cases[f"phase1-N{n}-G8"] = lambda n=n: torch.cat([t.flatten() for t in tr.route_sites_decode(hist, n, q, gn, heads)])
             for name, fn in cases.items():
                 sites = name.startswith("phase1")
-                names = knobs[sites]
-                for attr, value in zip(names, defaults[sites]):
-                    setattr(tr, attr, value)
+                names = entries[sites]
                 ref = fn().clone()
                 for elements, warps in SITES_CONFIGS if sites else SITE_CONFIGS:
-                    setattr(tr, names[0], elements)
-                    setattr(tr, names[1], warps)
                     row = dict(scale=args.scale, shape=name, batch=batch, tile_elements=elements, warps=warps)
                     try:
-                        diff = rel(fn(), ref)
-                        row["rel_diff"] = f"{diff:.1e}"
-                        if diff > 1e-2:
-                            row["status"] = "FAILED check"
-                        else:
-                            graph = torch.cuda.CUDAGraph()
-                            side = torch.cuda.Stream()
-                            side.wait_stream(torch.cuda.current_stream())
-                            with torch.cuda.stream(side):
-                                fn()
-                            torch.cuda.current_stream().wait_stream(side)
-                            with torch.cuda.graph(graph):
-                                for _ in range(args.launches):
+                        with dispatch.overrides(**{names[0]: elements, names[1]: warps}):
+                            diff = rel(fn(), ref)
+                            row["rel_diff"] = f"{diff:.1e}"
+                            if diff > 1e-2:
+                                row["status"] = "FAILED check"
+                            else:
+                                graph = torch.cuda.CUDAGraph()
+                                side = torch.cuda.Stream()
+                                side.wait_stream(torch.cuda.current_stream())
+                                with torch.cuda.stream(side):
                                     fn()
-                            ms = do_bench(graph.replay, warmup=5, rep=100, return_mode="median")
-                            row.update(us_per_launch=f"{ms * 1e3 / args.launches:.3f}", status="ok")
+                                torch.cuda.current_stream().wait_stream(side)
+                                with torch.cuda.graph(graph):
+                                    for _ in range(args.launches):
+                                        fn()
+                                ms = do_bench(graph.replay, warmup=5, rep=100, return_mode="median")
+                                row.update(us_per_launch=f"{ms * 1e3 / args.launches:.3f}", status="ok")
                     except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a result
                         row.update(status=f"error {e!r}"[:160])
                     w.writerow(row)
                     fh.flush()
                     print(json.dumps(row), flush=True)
-                for attr, value in zip(names, defaults[sites]):
-                    setattr(tr, attr, value)
     return 0
 
 

@@ -398,9 +398,9 @@ def route_norm(
 
     ``r`` is kept in the arithmetic dtype (float32 for half-precision inputs) between the two, not
     rounded; only ``y`` is. Two-phase routing (:class:`lit_mhar.routing.DepthHistory`) routes the
-    sites of a group whose phase one would see only the embedding this way: with one complete
-    source phase one's softmax is 1 and its routed value that source, so the pass, which writes one
-    copy of it per site, is left out (``lit_mhar.routing.FIRST_GROUP_DIRECT``).
+    sites of block routing's first block this way: with one complete source phase one's softmax
+    is 1 and its routed value that source, so the pass, which writes one copy of it per site, is
+    left out.
 
     Args:
         sources: N >= 1 tensors ``[..., d]`` (one shape and device), oldest first.

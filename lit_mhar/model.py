@@ -40,7 +40,7 @@ class RMSNorm(nn.RMSNorm):
     Under bf16 autocast the routed input of a sublayer is bf16 while the gain is float32; torch's
     fused RMSNorm kernel needs one dtype and otherwise falls back to a chain of float32 elementwise
     kernels (pow, mean, rsqrt, two multiplies, and as many again backward), which cost a 350m block
-    MHAR training step more time than its routing (BENCHMARKS.md, second set). Casting the input
+    MHAR training step more time than its routing (docs/benchmarks/history, second set). Casting the input
     up first (one kernel) keeps the fused path; the result is the same float32 computation.
     ``[..., d] -> [..., d]`` in the promoted dtype (``nn.RMSNorm``'s fallback rounds its result to
     the input's dtype; under autocast the next linear layer rounds either to bf16 the same way).
@@ -408,12 +408,9 @@ class LM(nn.Module):
         graph, ``nn.Module.compile``; routing through the kernels' ``torch.library`` custom op), or
         ``"auto"``: the whole model where nothing is routed (prenorm, Hyper-Connections), the
         sublayers where depth routing is, so that routing runs eagerly on the fused kernels with
-        their eager-only savings. Measured on one H200 at 350m (BENCHMARKS.md, twenty-second set),
-        tokens/s x prenorm compiled whole: prenorm with its sublayers compiled module by module
-        0.944; block MHAR 0.924 compiled whole against 0.931 with its sublayers, the same peak
-        memory; Delta block 0.867 against 0.831, but with 1.149x prenorm's peak memory against
-        1.027x (through the custom op it saves the float32 stream of every sublayer).
-        State-dict keys are unchanged.
+        their eager-only savings (compiled whole, Delta block saves the float32 stream of every
+        sublayer through the custom op; docs/benchmarks/history, twenty-second set, has the
+        measurements). State-dict keys are unchanged.
 
         Raises:
             ValueError: an unknown ``layout`` (valid: ``COMPILE_LAYOUTS``).

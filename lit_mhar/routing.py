@@ -22,107 +22,21 @@ from torch import Tensor, nn
 from lit_mhar.kernels import GradientSink, depth_route, merge_route, merge_route_norm, route_norm, route_norm_decode, route_sites, route_sites_decode
 
 
-# Sites of full routing (S = 1) routed together in phase one of the two-phase computation: each
-# complete source is read once per group, not once per site. A larger group reads the complete
-# sources in fewer passes and merges more newer ones per site. The replacement form (MHAR) takes
-# groups of 12 since its merges read their sources once (SAVE_ROUTED; r saved from 2 sources in
-# these runs): full MHAR at 350m 0.840 / 0.842 against 0.821 / 0.838 x prenorm in groups of 8, at
-# 1b 0.810 / 0.806 against 0.780 / 0.778, at 100m 0.784 / 0.779 against 0.791 / 0.785 (with r from
-# 3 sources, the default: 0.846 at 350m, 0.811 at 1b; at 100m 0.783 / 0.786 in the seventeenth
-# set). Delta AttnRes keeps groups of 8 (100m 0.699 against 0.713, 1b 0.706 against 0.702).
-# BENCHMARKS.md, sixteenth set.
+# Defaults of the two-phase computation (BENCHMARKS.md, "Why the dispatch plan is what it is"). Full routing (S = 1)
+# routes its sites in groups: each complete source is read once per group, not once per site; the
+# replacement form's merges read their sources once (a saved routed value), so it takes larger groups
+# than the additive form.
 FULL_ROUTING_GROUP = 12
 FULL_ROUTING_GROUP_ADDITIVE = 8
-# The model's last routing site (before the LM head) joins the group before it where it would start
-# a group of its own (2L a multiple of the group size: full routing at 100m, 350m and 1b, block
-# routing wherever the blocks divide the 2L sublayers). It is then one more site of that group's
-# phase-one pass and merges the group's newer sources, instead of a pass of one site over every
-# source: at 350m that pass over 49 sources took 0.96 ms forward and 3.35 ms backward on the vector
-# kernels (``tune_tiles.py --shapes wide``, H = 8, bf16). In training on an H200 (x prenorm, same
-# call) full MHAR ran at 0.873 / 0.880 against 0.856 at 350m, 0.829 against 0.812 at 1b and 0.777
-# against 0.776 at 100m, block MHAR at 0.992 against 0.984 (350m) and 0.915 against 0.907 (100m),
-# Delta full at 0.793 against 0.786 (350m); BENCHMARKS.md, eighteenth
-# set. A benchmark knob (``lone-final-site``). Only where the group then holds at most
-# JOIN_FINAL_SITE_MAX_SITES sites: the tensor-core kernels take passes of up to 16 sites
-# (``DOT_MAX_SITES``), so a block of 16 keeps them and the final site its own pass.
-JOIN_FINAL_SITE = True
+# The model's last site joins the group before it where it would start a group of its own, while the
+# group then holds at most this many sites (the tensor-core kernels' most per pass).
 JOIN_FINAL_SITE_MAX_SITES = 16
-# The sites of a group whose phase one would see one complete source (the embedding: the first block
-# of block routing, the first group of full routing) are routed directly over their sources, the
-# replacement form fused with the next RMSNorm (:func:`lit_mhar.kernels.route_norm`). A softmax over
-# one source is 1, so that phase-one pass only writes a copy of the embedding for every site of the
-# group (and its backward reads them all back); each site instead reads the embedding itself, which
-# its merge would have read in place of the copy, and the first site's query and gain get their
-# exact gradient, 0, not the pass's rounding. The additive form (Delta AttnRes, whose stream replay
-# spans the group) keeps its pass. Measured on an H200 at 350m, bf16, H = 8, each training step
-# captured as a CUDA graph (BENCHMARKS.md, twenty-fourth set): block MHAR (8 blocks) 196.4 ms a step
-# against 196.5 with the pass, peak memory 42.12 against 42.57 GiB; full MHAR 224.3 against 222.6
-# ms (its merges of the first group then read one more source and write its gradient), 43.62
-# against 45.01 GiB. So block routing only, unless ``FIRST_GROUP_DIRECT_FULL``. Benchmark knobs
-# (``first-group-pass``, ``first-group-direct-full``).
-FIRST_GROUP_DIRECT = True
-FIRST_GROUP_DIRECT_FULL = False
-
-# Decoding with full routing: sites per phase-one group of a decode step (BENCHMARKS.md, fourth
-# set; a decode step has no backward, so the training's group sizes do not carry over; a prefill
-# runs DepthHistory, with the groups above).
+# Decoding with full routing: sites per phase-one group of a decode step, from this many complete
+# slots on (shorter histories are routed site by site).
 DECODE_ROUTING_GROUP = 8
-
-# Decoding with full routing: a group of DECODE_ROUTING_GROUP sites whose first site already has at
-# least this many complete slots routes them in one phase-one pass; each site then reads only the
-# slots written since (BENCHMARKS.md, fourth set). Shorter histories are routed site by site.
 DECODE_PREFIX_MIN_SOURCES = 16
-
-# Two-phase routing runs each site's second phase together with the next sublayer's RMSNorm in one
-# op (:func:`lit_mhar.kernels.merge_route_norm`): the site's output (the routed value, or Delta
-# AttnRes's stream + gate * routed value) is neither read back by the norm, cast, nor saved for
-# the norm's backward in the sources' dtype (BENCHMARKS.md, seventh set: block MHAR at 350m 0.939
-# against 0.918 x prenorm, peak memory 1.002 against 1.061); full MHAR's merges of 3 or more
-# sources write and save it in float32 in place of the prior for a one-pass backward (the kernels'
-# SAVE_ROUTED, sixteenth set). A benchmark knob (False: merge, then the norm module).
-FUSED_NORM = True
-# The additive form in full routing (S = 1) too: on the additive form's merge tiles of 2 warps
-# (``TUNED_TILES``, "bwd_add") Delta full measured 0.680 against 0.664 x prenorm unfused at 350m,
-# 0.697 against 0.672 at 100m (BENCHMARKS.md, ninth set; on the former tiles of 8 warps, where the
-# fused backward held one program per SM, it was the other way round: seventh set). A knob.
-FUSED_NORM_ADDITIVE_FULL = True
-
-# Two-phase routing sums the gradient of each source of the depth history (embedding, block sums,
-# running sums of the block in progress) in a GradientSink: the backward kernels of the phase-one
-# passes and of the merges add into one buffer per source, instead of autograd adding the gradients
-# of the ops that read a source with one kernel per extra use (at 8 blocks, 36 additions per step
-# for the block sums and one per running sum). Eager mode only (not under torch.compile). Block
-# MHAR 0.940 against 0.934 x prenorm at 350m, 0.894 against 0.878 at 100m; full MHAR 0.694 against
-# 0.671 at 350m, peak memory 1.038 against 1.075 at 1b (BENCHMARKS.md, eighth set). A knob.
-SINK_SOURCE_GRADIENTS = True
-# ... and, with a sink, the residual stream of the additive form (Delta AttnRes) too: the stream
-# before each sublayer is a collected alias (:meth:`DepthHistory.track_stream`), the fused norm's
-# backward kernel adds its gradient to the one arriving from the next stream (instead of autograd's
-# float32 addition per sublayer), and each sublayer's output gets its gradient, the stream's plus
-# the running sum's, in one operation (:meth:`GradientSink.advance`) instead of a cast and an
-# addition. Delta block 0.882 / 0.878 against 0.875 x prenorm at 350m, 0.821 / 0.813 against 0.809
-# at 100m; Delta full 0.689 against 0.681, 0.706 against 0.701 (BENCHMARKS.md, ninth set). A knob.
-SINK_STREAM = True
-# Delta AttnRes in full routing: each fused norm's backward recomputes its float32 stream from the
-# stream at its group's start plus the group's sublayer outputs before it (the sources the merge
-# reads anyway; merge_route_norm's stream_start), bit-identical, instead of saving it: 4 bytes
-# per element and sublayer, the memory Delta kept beyond the replacement form (BENCHMARKS.md,
-# twelfth set). In block routing likewise from the stream at the block's start and the block's
-# outputs so far, which the fused norm then saves instead of its running sum (a bf16 or float32
-# source, which the kernel rebuilds from them, rounding as torch's additions do; merge_route_norm's
-# block_outputs): 2 bytes per element and sublayer kept instead of 2 + 4. Only for a float32
-# stream (as under autocast; the kernel adds in float32), not for activation checkpointing, whose
-# recomputed sublayers route from snapshots. A knob.
-REPLAY_STREAM = True
-# ... and in block routing over spans of blocks: a block replays its stream from the start of the
-# block before it plus that block's outputs (merge_route_norm's earlier_outputs; and so on back)
-# while those outputs number at most REPLAY_SPAN_MAX_OUTPUTS, so that one float32 stream (4 bytes
-# per element) is kept per span instead of per block, for the bf16 last output (2 bytes) of each
-# block but the span's last, which nothing else keeps; each of the block's merges reads those
-# outputs again in its backward. 3: spans of two blocks at S = 2 or 3 (Delta block at 100m: peak
-# memory 1.040 against 1.052 x prenorm, tokens/s 0.3-0.7% lower), none from S = 4 (at 350m, S = 6,
-# spans of two were 2% slower for 0.6% of the peak). 0: a stream per block. (BENCHMARKS.md,
-# twentieth set.) A knob.
+# Delta block routing replays a block's stream from the start of a span of blocks while the span's
+# earlier outputs number at most this many (0: a stream per block).
 REPLAY_SPAN_MAX_OUTPUTS = 3
 
 
@@ -141,10 +55,12 @@ class DepthHistory:
     sublayer outputs since the group started). A group is a block (Block AttnRes, S > 1) or
     ``FULL_ROUTING_GROUP`` consecutive sites (full routing, S = 1; ``FULL_ROUTING_GROUP_ADDITIVE``
     in the additive form, whose sites have a gate); the model's last site, where it would start a
-    group of its own, joins the group before it (``JOIN_FINAL_SITE``). In block routing the first
-    block's sites, whose phase one would see the embedding alone, are routed site by site instead
-    in the replacement form (``FIRST_GROUP_DIRECT``). The result equals per-site
-    routing over :meth:`sources` up to rounding (float64: to 1e-12).
+    group of its own, joins the group before it (up to ``JOIN_FINAL_SITE_MAX_SITES`` sites). In block
+    routing the first block's sites, whose phase one would see the embedding alone, are routed site by
+    site instead in the replacement form (:func:`lit_mhar.kernels.route_norm`: each reads the
+    embedding itself, no copy per site). Each site's second phase runs fused with the next
+    sublayer's RMSNorm (:meth:`route_norm`). The result equals per-site routing over :meth:`sources`
+    up to rounding (float64: to 1e-12).
 
     Args:
         embedding: ``[..., d]`` token embedding (source 0).
@@ -155,6 +71,14 @@ class DepthHistory:
         group_size: sites per group; default S, or when S = 1 ``FULL_ROUTING_GROUP``
             (``FULL_ROUTING_GROUP_ADDITIVE`` for sites with a gate). 1 routes
             site by site.
+        sink: with ``two_phase`` in eager code, sum each source's gradient (and in the additive
+            form the stream's) over the ops that read it in a :class:`GradientSink`, inside the
+            backward kernels, instead of one autograd addition per extra use; False: autograd's
+            summation (the same result up to float32 rounding).
+        replay_stream: the additive form's fused norms recompute their float32 stream in the
+            backward from the stream at the group's (or span's) start and the outputs since, instead
+            of saving it: 4 bytes per element and sublayer less memory, for reading those outputs
+            again; False saves it (bit-identical gradients).
 
     Raises:
         ValueError: ``block_size`` or ``group_size`` below 1.
@@ -162,7 +86,7 @@ class DepthHistory:
 
     def __init__(
         self, embedding: Tensor, block_size: int, sites: Optional[Sequence["RoutingSite"]] = None, two_phase: bool = False,
-        group_size: Optional[int] = None,
+        group_size: Optional[int] = None, *, sink: bool = True, replay_stream: bool = True,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"DepthHistory: block_size={block_size} must be >= 1")
@@ -175,14 +99,15 @@ class DepthHistory:
         self.n_appended = 0
         self.sites = list(sites) if sites is not None else None
         self.two_phase = bool(two_phase) and self.group_size > 1 and self.sites is not None
-        # the complete sources' gradients summed over the phase-one passes (see SINK_SOURCE_GRADIENTS)
-        sink = SINK_SOURCE_GRADIENTS and self.two_phase and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        # the complete sources' gradients summed over the phase-one passes and merges
+        sink = sink and self.two_phase and torch.is_grad_enabled() and not torch.compiler.is_compiling()
         self.sink: Optional[GradientSink] = GradientSink() if sink else None
+        self.replay_stream = replay_stream
         self.blocks: list[Tensor] = [self._collect(embedding)]
         # site -> (phase-one routed value, its lse, how many of self.blocks phase one covered)
         self._inter: dict[int, tuple[Tensor, Tensor, int]] = {}
         self._frozen = False  # a snapshot() for one site: read-only, routes that site any number of times
-        # the additive form's stream for REPLAY_STREAM: (first site of the span, its stream: in
+        # the additive form's stream for the replay: (first site of the span, its stream: in
         # block routing a span may cover several groups, REPLAY_SPAN_MAX_OUTPUTS), the stream the
         # last append() returned, (site, the stream track_stream() gave it), and the outputs
         # appended since the group's first site; each with its version counter at the time, so
@@ -199,18 +124,18 @@ class DepthHistory:
 
     def track_stream(self, stream: Tensor) -> Tensor:
         """The additive form's residual stream ``[..., d]`` as the next routing site and
-        :meth:`append` read it: with a sink (``SINK_STREAM``), an alias the sink collected, so that
+        :meth:`append` read it: with a sink, an alias the sink collected, so that
         its gradient is summed there; else (or if already collected) ``stream`` itself.
 
         The model passes each stream through here right before its site, and hands on between
         blocks the plain tensor :meth:`append` returns: an alias's own gradient (what tensor hooks
         and ``retain_grad`` on it see) lacks what the sink sums, the plain tensor's is complete."""
-        if not SINK_STREAM or self._frozen or self.sink is None or torch.compiler.is_compiling() or self.sink.holds([stream]):
+        if self._frozen or self.sink is None or torch.compiler.is_compiling() or self.sink.holds([stream]):
             tracked = stream  # (under torch.compile, a block compiled on its own, the sink is not traced)
         else:
             tracked = self._collect(stream)
         index = self.n_appended
-        if REPLAY_STREAM and self._replays():
+        if self._replays():
             made = self._stream_next is not None and stream is self._stream_next[0] and stream._version == self._stream_next[1]
             if self._group_first(index) == index:
                 if self._replay is None or not made or self._span_starts(index):
@@ -247,7 +172,7 @@ class DepthHistory:
             new_stream, partial = self.sink.advance(stream if sunk_stream else None, self.partial if sunk_partial else None, output)
         if stream is not None and not sunk_stream:
             new_stream = stream + output  # the addition merge_route_norm's stream_start replays
-        if stream is not None and REPLAY_STREAM and self._replays():
+        if stream is not None and self._replays():
             site = self._stream_site
             if site is None or site[0] != sublayer or stream is not site[1] or stream._version != site[2]:
                 self._replay = None  # the stream is not the one this site's routing read
@@ -267,11 +192,11 @@ class DepthHistory:
         return new_stream
 
     def _replays(self) -> bool:
-        """Whether the additive form's stream may be replayed here (REPLAY_STREAM): two-phase
+        """Whether the additive form's stream may be replayed here (``replay_stream``): two-phase
         routing in groups of one block (or full routing's groups), on the live history, in eager
         code (a block compiled on its own routes through the custom op, which saves the stream)."""
         return (
-            self.two_phase and not self._frozen and (self.block_size == 1 or self.group_size == self.block_size)
+            self.replay_stream and self.two_phase and not self._frozen and (self.block_size == 1 or self.group_size == self.block_size)
             and not torch.compiler.is_compiling()
         )
 
@@ -320,18 +245,14 @@ class DepthHistory:
         """``norm(route(site, stream))`` ``[..., d]``: the input of the sublayer after ``site``.
 
         With two-phase routing and ``norm`` an ``nn.RMSNorm`` with a weight, the second phase and
-        the norm run as one op (:func:`lit_mhar.kernels.merge_route_norm`, ``FUSED_NORM``; not for
-        the additive form in full routing unless ``FUSED_NORM_ADDITIVE_FULL``): the
-        result, in the sources' dtype, is the norm of the unrounded site output. Otherwise the
-        site's output goes through ``norm`` as a module call.
+        the norm run as one op (:func:`lit_mhar.kernels.merge_route_norm`): the result, in the
+        sources' dtype, is the norm of the unrounded site output, which is neither written nor saved.
+        Otherwise the site's output goes through ``norm`` as a module call.
         """
-        fused = (
-            FUSED_NORM and self.two_phase and isinstance(norm, nn.RMSNorm) and norm.weight is not None
-            and (site.gate is None or self.block_size > 1 or FUSED_NORM_ADDITIVE_FULL)
-        )
+        fused = self.two_phase and isinstance(norm, nn.RMSNorm) and norm.weight is not None
         if not fused:
             return norm(self.route(site, stream))
-        if self._direct(site):  # (FIRST_GROUP_DIRECT)
+        if self._direct(site):  # the first block's sites: phase one would see the embedding alone
             sources = self.sources()
             eps = norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(sources[0].dtype, norm.weight.dtype)).eps
             return route_norm(sources, site.query, site.key_gain, site.heads, norm.weight, eps, eps=site.eps, grad_sink=self._sink_for(sources))
@@ -347,13 +268,13 @@ class DepthHistory:
     def _stream_replay(self, stream: Optional[Tensor], newer: Sequence[Tensor]) -> dict:
         """``merge_route_norm``'s ``stream_start`` (and in block routing ``block_outputs``, and
         inside a span of blocks, ``REPLAY_SPAN_MAX_OUTPUTS``, ``earlier_outputs``) for this site
-        (REPLAY_STREAM): the stream at the start of the site's group (or span), where ``stream`` is
+        (``replay_stream``): the stream at the start of the site's group (or span), where ``stream`` is
         it plus the sublayer outputs :meth:`append` added since, none of them changed in place
         since, which in full routing are the sources ``newer`` and in block routing are the span's
         earlier blocks' outputs, then the outputs that add up to the one source, the running sum
         (of their dtype); else {}."""
         index = self.n_appended
-        if not REPLAY_STREAM or not self._replays() or self._replay is None or self._stream_site is None or stream is None:
+        if not self._replays() or self._replay is None or self._stream_site is None or stream is None:
             return {}
         first, start, start_version = self._replay
         site, tracked, tracked_version = self._stream_site
@@ -380,13 +301,10 @@ class DepthHistory:
 
     def _direct(self, site: "RoutingSite") -> bool:
         """Whether ``site``, the site about to run, is routed directly over :meth:`sources`, without
-        phase one (``FIRST_GROUP_DIRECT``; in full routing only with ``FIRST_GROUP_DIRECT_FULL``): the
-        replacement form, in a group that starts before the first block completes, whose phase one
-        would see the embedding alone."""
-        return (
-            FIRST_GROUP_DIRECT and (self.block_size > 1 or FIRST_GROUP_DIRECT_FULL) and self.two_phase and site.gate is None
-            and self._group_first(self.n_appended) < self.block_size
-        )
+        phase one: block routing's replacement form, in the first block, whose phase one would see
+        the embedding alone (Delta keeps its pass: its stream replay spans the group; full routing
+        keeps it: its first group's merges would each read one more source)."""
+        return self.block_size > 1 and self.two_phase and site.gate is None and self._group_first(self.n_appended) < self.block_size
 
     def _phase_two_inputs(self) -> tuple[Tensor, Tensor, list[Tensor]]:
         """Phase one's routed value and lse for the site about to run, and the sources added since."""
@@ -424,13 +342,10 @@ class DepthHistory:
 
     def _group_first(self, index: int) -> int:
         """The first site of site ``index``'s group: groups of ``group_size`` sites from site 0, the
-        model's last site joining the group before it where it would be alone (``JOIN_FINAL_SITE``,
-        up to ``JOIN_FINAL_SITE_MAX_SITES`` sites in the group)."""
+        model's last site joining the group before it where it would be alone (up to
+        ``JOIN_FINAL_SITE_MAX_SITES`` sites in the group)."""
         first = index - index % self.group_size
-        if (
-            JOIN_FINAL_SITE and first == index > 0 and self.sites is not None and index == len(self.sites) - 1
-            and 1 < self.group_size < JOIN_FINAL_SITE_MAX_SITES
-        ):
+        if first == index > 0 and self.sites is not None and index == len(self.sites) - 1 and 1 < self.group_size < JOIN_FINAL_SITE_MAX_SITES:
             return index - self.group_size
         return first
 

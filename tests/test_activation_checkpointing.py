@@ -99,7 +99,7 @@ def test_checkpointing_gives_the_gradients_of_the_plain_backward(residual, heads
 )
 def test_checkpointing_on_the_fused_kernels_recomputes_them_exactly(residual, heads, block_size, n_layer):
     """Two-phase routing's phase one runs outside the recomputed region; everything matches bit for
-    bit. The final site joins the group before it (JOIN_FINAL_SITE) in blocks of 3 over 6
+    bit. The final site joins the group before it (JOIN_FINAL_SITE_MAX_SITES) in blocks of 3 over 6
     sublayers and in full routing over 13 (groups of 12) and 9 sites (Delta's groups of 8)."""
     with use_backend("triton"):  # Triton's interpreter on CPU, the compiled kernels on a GPU
         loss, grads = loss_and_grads(*model_and_batch(residual, heads, block_size, False, torch.float32, n_layer=n_layer))

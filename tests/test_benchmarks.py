@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import triton
-
-from lit_mhar.kernels import triton_routing as tr
+from lit_mhar.kernels import dispatch, launch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -28,16 +26,20 @@ def tune_tiles(monkeypatch):
     yield from _benchmark_script(monkeypatch, "tune_tiles")
 
 
-def test_tune_tiles_kernel_settings_sets_restores_and_takes_none(tune_tiles):
-    """``kernel_settings`` sets the kernels module's attributes for its block and restores them,
-    and with no settings (a family's "package-defaults" row) leaves the package's own in place."""
-    before = (tr.DOT_MIN_SOURCES, dict(tr.WARPS))
-    with tune_tiles.kernel_settings(dict(DOT_MIN_SOURCES=before[0] + 5, WARPS={"bwd": 2})):
-        assert tr.DOT_MIN_SOURCES == before[0] + 5 and tr.WARPS == {"bwd": 2}
-    assert (tr.DOT_MIN_SOURCES, tr.WARPS) == before
-    with tune_tiles.kernel_settings({}):
-        assert (tr.DOT_MIN_SOURCES, tr.WARPS) == before
-    assert (tr.DOT_MIN_SOURCES, tr.WARPS) == before
+def test_tune_tiles_sets_one_tile_and_reads_table_entries(tune_tiles):
+    """``tile_table`` sets one launch kind's tile at one width and head count and keeps the package's
+    others (its own table untouched); ``--try`` takes NAME=VALUE with a Python literal."""
+    before = dict(dispatch.TUNED_TILES)
+    table = tune_tiles.tile_table("bwd_stats", 1024, 1, 4096, 8)
+    assert table[("bwd_stats", 1024, 1)] == (4096, 8) and {k: v for k, v in table.items() if k != ("bwd_stats", 1024, 1)} == {
+        k: v for k, v in before.items() if k != ("bwd_stats", 1024, 1)
+    }
+    assert dispatch.TUNED_TILES == before
+    with dispatch.overrides(TUNED_TILES=table):
+        assert dispatch.vector_tile("bwd_stats", 1, 1024, 1)["num_warps"] == 8
+    assert tune_tiles.parse_try('DOT_STAGES={"bwd_sources_dot": 2}') == {"DOT_STAGES": {"bwd_sources_dot": 2}}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        tune_tiles.parse_try("4")
 
 
 @pytest.fixture
@@ -130,13 +132,13 @@ def host_overhead_cpu(monkeypatch):
 
 def test_host_overhead_runs_the_triton_path_with_every_launch_stubbed(host_overhead_cpu):
     """A routed step goes through the Triton wrappers (their launches counted, none run), prenorm's
-    through none of them; the kernels module is left as it was."""
-    kernel = tr._kernel
+    through none of them; the kernels' launch module is left as it was."""
+    kernel = launch.kernel
     ms, launches, table = host_overhead_cpu.measure("100m", "mhar-block8-H8", steps=1, warmup=0, profile=5)
-    assert ms > 0 and launches > 0 and "triton_routing.py" in table
+    assert ms > 0 and launches > 0 and "kernels" in table
     assert host_overhead_cpu.measure("100m", "prenorm", steps=1, warmup=0, profile=0)[1:] == (0, "")
-    assert host_overhead_cpu.measure("100m", "mhar-block8-H8:triton-arith", steps=1, warmup=0, profile=0)[1] == launches
-    assert tr._kernel is kernel and tr._cdiv is not triton.cdiv and tr._pow2 is not triton.next_power_of_2
+    assert host_overhead_cpu.measure("100m", "mhar-block8-H8:cuda-graph", steps=1, warmup=0, profile=0)[1] == launches  # (a no-op on the CPU)
+    assert launch.kernel is kernel
 
 
 @pytest.mark.parametrize("argv", [["--steps", "0"], ["--warmup", "-1"], ["--profile", "-1"], ["--rounds", "0"], ["--variants", "prenorm,mhar-block9"],
@@ -265,3 +267,25 @@ def test_step_bytes_report_names_a_failed_ncu_file_and_refuses_the_graph_knobs(s
     assert "350m prenorm: " in md and "no ncu CSV header" in md and "### 350m mhar-block8-H8" in md
     with pytest.raises(ValueError, match="cuda-graph"):
         step_bytes.profile_one_step("debug", "prenorm:cuda-graph", 0)
+
+
+@pytest.fixture
+def head_counts(monkeypatch):
+    yield from _benchmark_script(monkeypatch, "head_counts")
+
+
+def test_head_counts_measures_each_checkout_in_its_own_process(head_counts, tmp_path):
+    """A dry run on the CPU (debug scale, the reference path): this checkout and a second one (here
+    the same files, as ``--before`` takes an extracted archive) each measured against its own
+    prenorm, written as CSV and markdown; a folder that is not a checkout is refused."""
+    before = tmp_path / "before"
+    before.mkdir()
+    for name in ("lit_mhar", "kernels"):
+        (before / name).symlink_to(BENCHMARKS.parent / name)
+    assert head_counts.main(["--scales", "debug", "--variants", "attnres-block8-H1", "--steps", "1", "--warmup", "1",
+                             "--before", str(before), "--out", str(tmp_path)]) == 0
+    rows = (tmp_path / "head_counts.csv").read_text().splitlines()
+    assert len(rows) == 1 + 4 and all(",ok," in row for row in rows[1:])
+    assert "| attnres-block8-H1 |" in (tmp_path / "head_counts.md").read_text()
+    with pytest.raises(SystemExit):
+        head_counts.main(["--before", str(tmp_path), "--out", str(tmp_path)])

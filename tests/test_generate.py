@@ -136,10 +136,10 @@ def test_cached_decoding_on_the_fused_kernel_path(residual, block_size, monkeypa
             cached = decode_in_pieces(model, idx, [3, 1, 2], tensor_pos=True)
     torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
     sites = 2 * 2 + 1
-    # blocks of 2: groups {0, 1}, {2, 3, 4}, the last site joining the group before it (JOIN_FINAL_SITE);
-    # blocks of 4: {0, 1, 2, 3, 4}; full routing: one group of 5 (FULL_ROUTING_GROUP = 12); block
-    # MHAR's first block is routed without phase one (FIRST_GROUP_DIRECT), Delta's keeps it
-    assert routing.JOIN_FINAL_SITE and routing.FULL_ROUTING_GROUP == 12 and routing.FIRST_GROUP_DIRECT
+    # blocks of 2: groups {0, 1}, {2, 3, 4}, the last site joining the group before it (up to
+    # JOIN_FINAL_SITE_MAX_SITES); blocks of 4: {0, 1, 2, 3, 4}; full routing: one group of 5
+    # (FULL_ROUTING_GROUP = 12); block MHAR's first block is routed without phase one, Delta's keeps it
+    assert routing.JOIN_FINAL_SITE_MAX_SITES == 16 and routing.FULL_ROUTING_GROUP == 12
     groups = {2: 2, 4: 1, 1: 1}[block_size] - (residual == "attnres" and block_size > 1)
     assert [s[1] for s in passes] == [3] * groups, "two-phase prefill: phase one once per block (group of sites)"
     # slots before the newest output, per site: the embedding, then one more per completed block
