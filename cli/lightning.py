@@ -20,18 +20,12 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import MLFlowLogger
 
 import lit_mhar
-from lit_mhar.convert import CHECKPOINT_LAYOUT
+from lit_mhar.checkpoint import CHECKPOINT_LAYOUT
 from lit_mhar.data import TokenDataModule
 from lit_mhar.module import LitLM, check_compile
-from lit_mhar.tracking import check_tracking_uri, redact
+from lit_mhar.tracking import absolute_tracking_uri, check_tracking_uri, redact, tracking_uri
 
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "lit-mhar"
-
-
-def tracking_uri() -> str:
-    """``MLFLOW_TRACKING_URI`` if set, else a local sqlite store ``./mlflow.db``."""
-    return os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
 
 
 def git_commit() -> str:
@@ -430,8 +424,6 @@ class LitMharCLI(LightningCLI):
     def _continue_run(self, config: Any, init: Any, checkpoint: dict) -> None:
         """Points the logger at the MLflow run of ``config.ckpt_path``, loaded as ``checkpoint`` (see
         the class docstring)."""
-        from lit_mhar.probe import absolute_tracking_uri
-
         ckpt = Path(str(config["ckpt_path"]))
         record = checkpoint.get("mlflow") or {}
         if not record.get("run_id"):

@@ -27,10 +27,8 @@ it has one. The source is only read.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
-from dataclasses import fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
@@ -38,9 +36,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lit_mhar.outputs import check_output_dir, staged_directory
+from lit_mhar.checkpoint import read_checkpoint, tokenizer_candidates, write_checkpoint
 from lit_mhar.config import ModelConfig
 from lit_mhar.model import LM
+from lit_mhar.outputs import check_output_dir, staged_directory
 
 CHECKPOINT_NAME = "model.ckpt"
 FIT_CONFIG_NAME = "fit.yaml"
@@ -52,121 +51,6 @@ HF_ARCHITECTURES: dict[str, tuple[str, ...]] = {"llama": ("LlamaForCausalLM",), 
 # Saved by some older Llama checkpoints; a buffer recomputed from rope_theta, not a weight.
 HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 LOGIT_TOLERANCE = 1e-5
-# ModelConfig fields an init_from run may change: RoPE is computed from seq_len, not stored, and
-# data tokenised with the source's tokenizer may use fewer ids than its (padded) embedding table.
-_FREE_FIELDS = ("name", "seq_len", "vocab_size", "init_std")
-
-
-# ----------------------------------------------------------------------------- lit-mhar checkpoints
-
-
-# Where a fit saves its checkpoints, as the errors about a missing one name it.
-CHECKPOINT_LAYOUT = "runs/<experiment id>/<run id>/checkpoints"
-
-
-class UnreadableCheckpoint(ValueError):
-    """A file ``torch.load`` cannot read at all (no torch checkpoint): :func:`read_checkpoint`'s error."""
-
-
-def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> tuple[ModelConfig, dict[str, Tensor], dict[str, Any]]:
-    """The model config, LM weights and the whole dict of a lit-mhar (:class:`LitLM`) checkpoint.
-
-    Reads with ``torch.load(weights_only=True, mmap=True)``: no code from the file runs and tensors
-    are paged in only when used. The config is ``hyper_parameters["config"]``, a dict (checkpoints
-    written by the CLI or ``convert``) or a :class:`ModelConfig` (a LitLM built in Python).
-
-    Returns:
-        ``(config, weights, checkpoint)``: weights are the ``LM`` state dict (the ``model.`` entries
-        of ``checkpoint["state_dict"]``, prefix removed).
-
-    Raises:
-        FileNotFoundError: no such file.
-        UnreadableCheckpoint: (a ValueError) the file is not a torch checkpoint.
-        ValueError: the file has no LitLM hyperparameter ``config`` or no
-            ``model.*`` weights, or the config has fields this version does not know.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(
-            f"checkpoint {str(path)!r} does not exist (or is not a file); give a lit-mhar checkpoint file "
-            f"({CHECKPOINT_LAYOUT}/last.ckpt)"
-        )
-    try:
-        with torch.serialization.safe_globals([ModelConfig]):
-            checkpoint = torch.load(p, map_location=map_location, weights_only=True, mmap=True)
-    except Exception as e:  # not a torch checkpoint (a YAML, a truncated file): RuntimeError, UnpicklingError, ...
-        raise UnreadableCheckpoint(
-            f"{p}: not a lit-mhar checkpoint (torch.load could not read it: {type(e).__name__}); give a lit-mhar "
-            f"checkpoint file ({CHECKPOINT_LAYOUT}/last.ckpt)"
-        ) from e
-    hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
-    config = (hparams or {}).get("config")
-    if config is None:
-        raise ValueError(f"{p}: not a lit-mhar checkpoint (no LitLM hyper_parameters['config'])")
-    if isinstance(config, dict):
-        known = {f.name for f in fields(ModelConfig)}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise ValueError(f"{p}: config has unknown ModelConfig field(s) {unknown}; valid: {sorted(known)}")
-        config = ModelConfig(**config)
-    elif not isinstance(config, ModelConfig):
-        raise ValueError(f"{p}: hyper_parameters['config'] is a {type(config).__name__}, expected a dict or ModelConfig")
-    weights = {k[len("model.") :]: v for k, v in checkpoint.get("state_dict", {}).items() if k.startswith("model.")}
-    if not weights:
-        raise ValueError(f"{p}: no model.* weights in state_dict")
-    return config, weights, checkpoint
-
-
-def resolve_init_config(config: ModelConfig, source: ModelConfig, path: str) -> ModelConfig:
-    """The config of a run started from checkpoint ``path`` whose config is ``source`` (see LitLM ``init_from``).
-
-    Every field but ``seq_len``, ``vocab_size`` (``config``'s may not exceed ``source``'s), ``name``
-    and ``init_std`` must agree; the result is ``source`` with ``config``'s ``seq_len``.
-
-    Raises:
-        ValueError: naming every field that differs, or a vocabulary larger than the checkpoint's.
-    """
-    if not isinstance(config, ModelConfig):
-        config = ModelConfig(**config)
-    differ = [
-        f"{f.name}: given {getattr(config, f.name)!r}, checkpoint {getattr(source, f.name)!r}"
-        for f in fields(ModelConfig)
-        if f.name not in _FREE_FIELDS and getattr(config, f.name) != getattr(source, f.name)
-    ]
-    if differ:
-        raise ValueError(
-            f"init_from={path!r}: model.config does not describe the checkpoint's model ({'; '.join(differ)}). "
-            f"Pass the checkpoint's config, e.g. --config {Path(path).parent / FIT_CONFIG_NAME} as written by lit-mhar convert"
-        )
-    if config.vocab_size > source.vocab_size:
-        raise ValueError(
-            f"init_from={path!r}: the data's vocabulary ({config.vocab_size} ids) is larger than the checkpoint's "
-            f"embedding table ({source.vocab_size}); tokenise the data with the source model's tokenizer"
-        )
-    return ModelConfig(**{**source.to_dict(), "seq_len": config.seq_len})
-
-
-def write_checkpoint(path: Path, config: ModelConfig, weights: dict[str, Tensor], hparams: dict[str, Any], extra: dict[str, Any]) -> None:
-    """Writes a step-0 Lightning checkpoint of :class:`LitLM` that ``LitLM.load_from_checkpoint``,
-    ``lit-mhar validate|test --ckpt_path`` and ``--model.init_from`` read.
-
-    ``weights`` is the LM's state dict, stored under LitLM's ``model.`` prefix. Hyperparameters hold the config as a dict and the
-    CLI's instantiator, as checkpoints written by ``lit-mhar fit`` do; no optimizer state (it is
-    not a run to resume).
-    """
-    import lightning
-
-    state = {f"model.{k}": v for k, v in weights.items()}
-    checkpoint = {
-        "epoch": 0,
-        "global_step": 0,
-        "pytorch-lightning_version": lightning.__version__,
-        "state_dict": state,
-        "hparams_name": "kwargs",
-        "hyper_parameters": {"config": config.to_dict(), **hparams, "_instantiator": "lightning.pytorch.cli.instantiate_module"},
-        **extra,
-    }
-    torch.save(checkpoint, path)
 
 
 # ----------------------------------------------------------------------------- Hugging Face sources
@@ -429,8 +313,6 @@ def convert(
         report.update(format=f"hf-{hf['model_type']}", source_config=hf, tied_embeddings=tied, tensor_map=names, source_dtypes=dtypes)
         tokenizers = [src / "tokenizer.json"]
     else:
-        from lit_mhar.generate import tokenizer_candidates  # generate imports this module
-
         source_cfg, weights, checkpoint = read_checkpoint(src)
         tokenizers = tokenizer_candidates(src, checkpoint)  # beside it, or its training data's
         if source_cfg.residual != "prenorm":

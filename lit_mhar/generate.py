@@ -22,8 +22,8 @@ found beside the checkpoint (``lit-mhar convert`` writes it there), or in the da
 incrementally (``tokenizers.decoders.DecodeStream``), so a character split over several byte-level
 BPE tokens is printed once it is complete.
 
-This module imports only torch and lit-mhar's model at import time (not litdata or Lightning, which
-lit_mhar.data would bring); the tokenizer and checkpoint reader are imported on use.
+This module imports only torch, lit-mhar's model and its checkpoint reader at import time (not
+litdata or Lightning, which lit_mhar.data would bring); the tokenizer is imported on use.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from typing import Any, Callable, Literal, Optional, TextIO
 import torch
 from torch import Tensor
 
+from lit_mhar.checkpoint import TOKENIZER_NAME, NonFiniteCheckpoint, UnreadableCheckpoint, read_checkpoint, tokenizer_candidates
 from lit_mhar.config import ModelConfig
 from lit_mhar.model import LM
 
-TOKENIZER_NAME = "tokenizer.json"  # as lit_mhar.data.TOKENIZER_NAME (not imported: it pulls in litdata)
 EOS_TOKEN = "<|endoftext|>"  # as lit_mhar.data.EOS_TOKEN; it ends every document in a prepared dataset
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -227,14 +227,14 @@ def generate_ids(
 def load_checkpoint(ckpt: str | os.PathLike) -> tuple[ModelConfig, dict[str, Tensor], dict[str, Any]]:
     """``(config, LM weights, checkpoint dict)`` of a lit-mhar checkpoint (``lit-mhar fit`` or ``convert``).
 
-    Reads through :func:`lit_mhar.convert.read_checkpoint` (``weights_only``, memory-mapped).
+    Reads through :func:`lit_mhar.checkpoint.read_checkpoint` (``weights_only``, memory-mapped).
 
     Raises:
         FileNotFoundError: no such path.
         ValueError: a directory, or a file that is not a lit-mhar Lightning checkpoint ("unknown
-            checkpoint format"), naming what is valid.
+            checkpoint format"), naming what is valid; weights that are not finite (a fit that
+            diverged).
     """
-    from lit_mhar.convert import UnreadableCheckpoint, read_checkpoint
 
     path = Path(ckpt).expanduser()
     valid = "valid: a lit-mhar .ckpt file written by `lit-mhar fit` (runs/.../checkpoints/*.ckpt) or `lit-mhar convert` (OUTPUT_DIR/model.ckpt)"
@@ -253,29 +253,10 @@ def load_checkpoint(ckpt: str | os.PathLike) -> tuple[ModelConfig, dict[str, Ten
             f"ckpt={str(ckpt)!r} is not a checkpoint lit-mhar can read: unknown checkpoint format "
             f"(torch.load could not read the file: {type(e.__cause__).__name__}); {valid}"
         ) from None
+    except NonFiniteCheckpoint:
+        raise
     except ValueError as e:
         raise ValueError(f"ckpt={str(ckpt)!r}: unknown checkpoint format ({e}); {valid}") from None
-
-
-def tokenizer_candidates(ckpt: str | os.PathLike, checkpoint: dict[str, Any]) -> list[Path]:
-    """Where the tokenizer of a checkpoint may be, in the order looked at: ``tokenizer.json`` beside
-    the checkpoint, then in the dataset folder of the checkpoint's DataModule hyperparameters
-    (``datamodule_hyper_parameters["data_dir"]``, which ``lit-mhar fit`` checkpoints store). A
-    relative dataset folder was relative to the folder training ran in, which is not stored: it is
-    looked for from each folder above the checkpoint (nearest first; ``lit-mhar fit`` writes
-    checkpoints under ``runs/`` in the folder it runs in), then from the current folder."""
-    ckpt_path = Path(ckpt).expanduser()
-    paths = [ckpt_path.parent / TOKENIZER_NAME]
-    data_dir = (checkpoint.get("datamodule_hyper_parameters") or {}).get("data_dir")
-    if data_dir:
-        data = Path(str(data_dir)).expanduser()
-        if data.is_absolute():
-            paths.append(data / TOKENIZER_NAME)
-        else:
-            for root in [*ckpt_path.absolute().parent.parents, Path.cwd()]:
-                if root / data / TOKENIZER_NAME not in paths:
-                    paths.append(root / data / TOKENIZER_NAME)
-    return paths
 
 
 def find_tokenizer(ckpt: str | os.PathLike, checkpoint: dict[str, Any], tokenizer: Optional[str] = None) -> Path:

@@ -246,7 +246,7 @@ class LitLM(L.LightningModule):
         self._cuda_graph = cuda_graph
         weights = None
         if init_from is not None:
-            from lit_mhar.convert import read_checkpoint, resolve_init_config
+            from lit_mhar.checkpoint import read_checkpoint, resolve_init_config
 
             source_config, weights, _ = read_checkpoint(init_from)
             config = resolve_init_config(config, source_config, init_from)
@@ -423,7 +423,7 @@ class LitLM(L.LightningModule):
         # (lit_mhar.tracking.MLFlowLogger) lost the server before this checkpoint.
         from lightning.pytorch.loggers import MLFlowLogger
 
-        from lit_mhar.probe import absolute_tracking_uri
+        from lit_mhar.tracking import absolute_tracking_uri
 
         # Only global rank 0 writes checkpoint files, and only there is the logger's experiment (the
         # MLflow client) real: on the other ranks Lightning replaces it by a no-op.

@@ -37,6 +37,26 @@ from lightning.pytorch.loggers import MLFlowLogger as _LightningMLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+def tracking_uri() -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else a local sqlite store ``./mlflow.db``."""
+    return os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
+
+
+def absolute_tracking_uri(uri: str) -> str:
+    """``uri`` with a relative sqlite / file / plain path made absolute (from the working directory),
+    so a checkpoint's record of its MLflow store stays valid from any directory."""
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + str(Path(uri[len("sqlite:///") :]).absolute())
+    if uri.startswith("file:") and not uri.startswith("file:/"):
+        return "file:" + str(Path(uri[len("file:") :]).absolute())
+    if "://" not in uri and not uri.startswith("file:"):
+        return str(Path(uri).absolute())
+    return uri
+
+
 class TrackingUnavailable(RuntimeError):
     """The MLflow tracking server cannot be used; the message names the URI, the error and what to do."""
 

@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from lit_mhar.cli import main
 from lit_mhar.config import ModelConfig
-from lit_mhar.convert import convert, read_checkpoint, write_checkpoint
+from lit_mhar.checkpoint import read_checkpoint, write_checkpoint
+from lit_mhar.convert import convert
 from lit_mhar.model import LM
 from lit_mhar.module import LitLM
 
