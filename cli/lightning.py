@@ -20,7 +20,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import MLFlowLogger
 
 import lit_mhar
-from lit_mhar.checkpoint import CHECKPOINT_LAYOUT
+from lit_mhar.checkpoint import CHECKPOINT_LAYOUT, check_finite_weights, load_checkpoint_file
 from lit_mhar.data import TokenDataModule
 from lit_mhar.module import LitLM, check_compile
 from lit_mhar.tracking import absolute_tracking_uri, check_tracking_uri, redact, tracking_uri
@@ -260,11 +260,18 @@ def check_checkpoint_dirpath(dirpath: Any) -> None:
 
 
 def _local_checkpoint(ckpt_path: Any) -> Optional[dict]:
-    """``--ckpt_path`` loaded (memory-mapped, tensors not read) where it names a local file; None
-    for none and for what Lightning resolves itself (``last``, ``best``, a remote path)."""
+    """``--ckpt_path`` loaded (memory-mapped) where it names a local file, its model weights checked
+    finite; None for none and for what Lightning resolves itself (``last``, ``best``, a remote path).
+
+    Raises:
+        UnreadableCheckpoint: (a ValueError) a truncated or damaged file, or not a checkpoint.
+        NonFiniteCheckpoint: (a ValueError) weights holding NaN or infinity (a fit that diverged).
+    """
     if not ckpt_path or not isinstance(ckpt_path, (str, os.PathLike)) or not Path(os.fspath(ckpt_path)).is_file():
         return None
-    return torch.load(os.fspath(ckpt_path), map_location="cpu", weights_only=False, mmap=True)
+    checkpoint = load_checkpoint_file(os.fspath(ckpt_path), weights_only=False)  # as Lightning reads it
+    check_finite_weights(checkpoint.get("state_dict") or {}, os.fspath(ckpt_path))
+    return checkpoint
 
 
 # What a resumed fit's data stream must share with the checkpoint's (the litdata loader's saved
@@ -371,8 +378,11 @@ class LitMharCLI(LightningCLI):
         """LightningCLI's (a private hook: the one place where the parsed options and the
         checkpoint's both exist): with ``--ckpt_path`` the model's options come from the checkpoint's saved
         hyperparameters. A note on stderr names those of ``--config`` and the command line that this
-        replaced (the run's ``config.yaml`` records what ran)."""
+        replaced (the run's ``config.yaml`` records what ran). The checkpoint is read and checked
+        first (:func:`_local_checkpoint`): a truncated file or non-finite weights are one line."""
         sub = self.config.get("subcommand")
+        # read first: Lightning's own read of a truncated file is a traceback without its name
+        self._checkpoint = _local_checkpoint(self.config[sub].get("ckpt_path")) if sub else None
         before = self.config[sub].get("model") if sub else None
         before = before.clone() if hasattr(before, "clone") else before
         super()._parse_ckpt_path()
@@ -389,7 +399,6 @@ class LitMharCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        resumed = None  # fit's --ckpt_path, read once (a local file)
         check_accelerator(config.get("trainer.accelerator"), config.get("trainer.devices"))
         check_ckpt_path(config.get("ckpt_path"))
         if config.get("model.compile") is not None:
@@ -399,9 +408,9 @@ class LitMharCLI(LightningCLI):
             check_cuda_graph(config)
             check_trainer_limits(config.get("trainer.max_steps", -1), config.get("trainer.max_epochs"))
             check_checkpoint_dirpath(config.get("checkpoint.dirpath"))
-            resumed = _local_checkpoint(config.get("ckpt_path"))
-            if resumed is not None:
-                check_resume(resumed, config, os.fspath(config["ckpt_path"]))
+        resumed = getattr(self, "_checkpoint", None)  # --ckpt_path, read and checked by _parse_ckpt_path
+        if self.subcommand == "fit" and resumed is not None:
+            check_resume(resumed, config, os.fspath(config["ckpt_path"]))
         elif self.subcommand in ("validate", "test", "predict") and not config.get("ckpt_path"):
             print(f"[lit-mhar] note: {self.subcommand} without --ckpt_path runs a freshly initialised model", file=sys.stderr, flush=True)
         init = _mlflow_init_args(config)

@@ -337,6 +337,12 @@ class LitLM(L.LightningModule):
             self._log_routing(batch[:, :-1])
         return loss
 
+    def configure_callbacks(self) -> list[L.Callback]:
+        # a fit stops at the first non-finite loss or gradient norm and never saves NaN weights
+        from lit_mhar.callbacks import StopOnNonFinite
+
+        return [StopOnNonFinite()]
+
     def on_fit_start(self) -> None:
         # The hyperparameters hold the config as given (a preset name, overrides, None for preset
         # fields); runs are compared on the model they trained: every resolved field, model/<field>.
