@@ -40,7 +40,7 @@ from typing import Any, Callable, Literal, Optional, TextIO
 import torch
 from torch import Tensor
 
-from lit_mhar.checkpoint import TOKENIZER_NAME, NonFiniteCheckpoint, UnreadableCheckpoint, read_checkpoint, tokenizer_candidates
+from lit_mhar.checkpoint import TOKENIZER_NAME, NonFiniteCheckpoint, UnreadableCheckpoint, read_checkpoint, tokenizer_candidates, training_vocabulary
 from lit_mhar.config import ModelConfig
 from lit_mhar.model import LM
 
@@ -389,7 +389,8 @@ def generate(
         seed: Seed of the sampling generator (None: a random one, reported in the result).
         num_samples: Continuations of the prompt, decoded together as one batch.
         tokenizer: The ``tokenizer.json`` (or a folder holding it); default: beside the checkpoint,
-            else in the dataset folder the checkpoint was trained on.
+            else in the dataset folder the checkpoint was trained on. Its size must be the
+            vocabulary the model was trained on.
         stop_at_eos: End a sample at the end-of-text token (``<|endoftext|>``), if the tokenizer has it.
         device: ``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
         dtype: Weights and activations: ``auto`` (bfloat16 on a GPU that has it, else float32),
@@ -404,7 +405,10 @@ def generate(
     Raises:
         ValueError: a bad argument (temperature < 0, top_k < 1, top_p outside (0, 1], ...), an
             unknown checkpoint format, a prompt longer than the model's ``seq_len``, a tokenizer
-            whose vocabulary exceeds the model's; all before the model is built.
+            whose vocabulary exceeds the model's, a ``tokenizer`` given whose size is not the
+            vocabulary the model was trained on (:func:`lit_mhar.checkpoint.training_vocabulary`:
+            a padded embedding table is fine when the data's manifest or the tokenizer beside the
+            checkpoint says so); all before the model is built.
         FileNotFoundError: no checkpoint at ``ckpt``, or no tokenizer found (the message lists
             where it looked).
     """
@@ -431,6 +435,15 @@ def generate(
             f"tokenizer {str(tok_path)!r} has {tok_vocab} ids, the model only {cfg.vocab_size} (vocab_size): "
             "it is not the model's tokenizer; pass the one of its training data with --tokenizer"
         )
+    if tokenizer is not None:  # the one found by default is the model's own (the reference below)
+        trained_on, where = training_vocabulary(ckpt, checkpoint, cfg)
+        if tok_vocab != trained_on:
+            raise ValueError(
+                f"tokenizer={tokenizer!r} has {tok_vocab} ids, but the model was trained on a vocabulary of {trained_on} "
+                f"({where}): it is not the model's tokenizer, and its ids would decode to other text. Pass the "
+                "tokenizer.json of the model's training data (lit-mhar prepare writes it into the dataset folder), or leave "
+                "--tokenizer out to use the one the checkpoint points to"
+            )
     eos_id = tok.token_to_id(EOS_TOKEN)
     if prompt:
         prompt_ids = tok.encode(prompt, add_special_tokens=False).ids

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -483,3 +485,37 @@ def test_cli_refuses_a_negative_temperature(trained, capsys):
     with pytest.raises(ValueError, match=r"temperature=-1.0 is invalid; valid: a finite number >= 0"):
         main(["generate", "--ckpt", str(trained["ckpt"]), "--prompt", "x", "--temperature", "-1"])
     assert capsys.readouterr().out == ""
+
+
+def test_a_tokenizer_of_another_size_than_the_training_data_is_refused(trained, tmp_path, monkeypatch, capsys):
+    """generate --tokenizer with a smaller tokenizer than the model's data ran with exit 0 and printed gibberish."""
+    from lit_mhar.data import _train_tokenizer
+
+    small = tmp_path / "small.json"
+    tok = _train_tokenizer(iter(["def f(x):\n    return x\n"] * 50), vocab_size=280, length=50)
+    tok.save(str(small))
+    size = tok.get_vocab_size(with_added_tokens=True)
+    assert size < 300
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", "generate", "--ckpt", str(trained["ckpt"]), "--prompt", "def", "--tokenizer", str(small)])
+    assert main() == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+    assert f"tokenizer={str(small)!r} has {size} ids, but the model was trained on a vocabulary of 300" in line
+    assert str(trained["data"] / "manifest.json") in line
+    # the training data's own tokenizer, given explicitly, is the model's
+    assert generate(str(trained["ckpt"]), "def", max_new_tokens=2, tokenizer=str(trained["data"]), verbose=False).token_ids
+
+
+def test_a_padded_embedding_table_takes_the_tokenizer_beside_the_checkpoint(trained, tmp_path):
+    """A model whose embedding table is larger than its tokenizer (a converted Hugging Face model)
+    accepts the tokenizer the data said it was trained with, given or found."""
+    from lit_mhar.checkpoint import read_checkpoint, write_checkpoint
+
+    cfg, weights, _ = read_checkpoint(trained["ckpt"])
+    padded = type(cfg)(**{**cfg.to_dict(), "vocab_size": cfg.vocab_size + 20})
+    weights = dict(weights, **{k: torch.cat([weights[k], torch.zeros(20, weights[k].shape[1])]) for k in ("embed.weight", "lm_head.weight")})
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    write_checkpoint(folder / "model.ckpt", padded, weights, {}, {})
+    shutil.copyfile(trained["data"] / "tokenizer.json", folder / "tokenizer.json")
+    assert generate(str(folder / "model.ckpt"), "def", max_new_tokens=2, verbose=False).token_ids
+    assert generate(str(folder / "model.ckpt"), "def", max_new_tokens=2, tokenizer=str(trained["data"]), verbose=False).token_ids
