@@ -259,6 +259,42 @@ def check_checkpoint_dirpath(dirpath: Any) -> None:
         )
 
 
+_FIT_LOCKS: list[Optional[Any]] = []  # the checkpoint-folder locks fits in this process hold (run_lightning releases them)
+
+
+def lock_checkpoint_dirpath(dirpath: Any) -> Optional[Any]:
+    """Takes the lock of fit's ``--checkpoint.dirpath`` (a ``filelock.FileLock`` on the hidden file
+    ``.DIR.lock`` beside the folder) for the whole fit, so two fits started together into one
+    folder cannot both save there; then checks the folder again (:func:`check_checkpoint_dirpath`:
+    the other fit may have saved meanwhile). None for an unset or remote ``dirpath``. The lock is
+    the operating system's: it goes with a process that dies, however it dies.
+
+    Raises:
+        FileExistsError: another fit holds the lock, or the folder holds checkpoints.
+    """
+    if not dirpath or not isinstance(dirpath, (str, os.PathLike)) or "://" in os.fspath(dirpath):
+        return None
+    from filelock import FileLock, Timeout
+
+    folder = Path(os.fspath(dirpath)).absolute()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(folder.with_name(f".{folder.name}.lock")))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise FileExistsError(
+            f"checkpoint.dirpath={os.fspath(dirpath)!r} is in use: another lit-mhar fit is saving its checkpoints there "
+            f"now (it holds {lock.lock_file}). Give another folder, wait for that fit to end, or leave --checkpoint.dirpath "
+            f"unset (each run then saves under its own run folder, {CHECKPOINT_LAYOUT})"
+        ) from None
+    try:
+        check_checkpoint_dirpath(dirpath)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
 def _local_checkpoint(ckpt_path: Any) -> Optional[dict]:
     """``--ckpt_path`` loaded (memory-mapped) where it names a local file, its model weights checked
     finite; None for none and for what Lightning resolves itself (``last``, ``best``, a remote path).
@@ -369,6 +405,7 @@ class LitMharCLI(LightningCLI):
       prefixed ``validate-``, ``test-`` or ``predict-`` for those commands (MLflow's random names
       repeat under a fixed seed: ``seed_everything`` seeds them);
     * ``fit --checkpoint.dirpath`` holding checkpoints is refused (:func:`check_checkpoint_dirpath`),
+      as is one another fit is saving into now (:func:`lock_checkpoint_dirpath`: held until the fit ends),
       as is a ``trainer.max_steps`` or ``max_epochs`` of 0 or below -1 (:func:`check_trainer_limits`), and a
       resume whose data settings or ``max_steps`` cannot continue the checkpoint (:func:`check_resume`),
       and ``validate`` / ``test`` / ``predict`` without ``--ckpt_path`` print a note that they run a fresh model.
@@ -398,6 +435,13 @@ class LitMharCLI(LightningCLI):
             )
 
     def before_instantiate_classes(self) -> None:
+        self._check_before_work()
+        if self.subcommand == "fit":
+            config = self.config[self.subcommand]
+            # after the checks: a resumed fit's folder is known only once its run is found
+            _FIT_LOCKS.append(lock_checkpoint_dirpath(config.get("checkpoint.dirpath")))
+
+    def _check_before_work(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_accelerator(config.get("trainer.accelerator"), config.get("trainer.devices"))
         check_ckpt_path(config.get("ckpt_path"))
@@ -527,13 +571,20 @@ def run_lightning(args: Optional[list[str]] = None) -> LitMharCLI:
     ``args`` None reads ``sys.argv``. Raises :class:`lit_mhar.tracking.TrackingUnavailable` before
     any data or model work when the MLflow tracking server does not answer.
     """
-    with warnings.catch_warnings():
-        # explicit args are this function's purpose (tests, sweep trials), not a mistake to warn about
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended", category=UserWarning)
-        return LitMharCLI(
-            LitLM,
-            TokenDataModule,
-            save_config_callback=MLflowSaveConfig,
-            save_config_kwargs={"save_to_log_dir": False},
-            args=args,
-        )
+    held = len(_FIT_LOCKS)
+    try:
+        with warnings.catch_warnings():
+            # explicit args are this function's purpose (tests, sweep trials), not a mistake to warn about
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended", category=UserWarning)
+            return LitMharCLI(
+                LitLM,
+                TokenDataModule,
+                save_config_callback=MLflowSaveConfig,
+                save_config_kwargs={"save_to_log_dir": False},
+                args=args,
+            )
+    finally:
+        while len(_FIT_LOCKS) > held:  # this command's checkpoint-folder lock, however it ended
+            lock = _FIT_LOCKS.pop()
+            if lock is not None:
+                lock.release()

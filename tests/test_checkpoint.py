@@ -119,3 +119,41 @@ def test_training_does_not_import_the_analysis_verbs(path):
 def test_convert_and_generate_do_not_import_each_other():
     assert "lit_mhar.generate" not in imported(ROOT / "lit_mhar" / "convert.py")
     assert "lit_mhar.convert" not in imported(ROOT / "lit_mhar" / "generate.py")
+
+
+# ----------------------------------------------------------------------------- checkpoint folders
+
+
+@pytest.mark.slow
+def test_a_second_fit_into_a_checkpoint_folder_in_use_is_refused(small_corpus, tmp_path, monkeypatch, capsys):
+    """Two fits started together on one --checkpoint.dirpath both ran (the second wrote last-v1.ckpt):
+    the second is refused (exit 2) while the first runs, before any work."""
+    import subprocess
+    import time
+
+    folder = tmp_path / "ckpts"
+    common = ["--config", str(ROOT / "configs" / "debug.yaml"), "--data.data_dir", str(small_corpus), "--data.seq_len", "32",
+              "--data.batch_size", "4", "--model.config.d_model", "32", "--model.config.n_layer", "1", "--model.config.ffn_dim", "32",
+              "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--checkpoint.dirpath", str(folder)]  # fmt: skip
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:
+        first = subprocess.Popen([sys.executable, "-m", "lit_mhar.cli", "fit", *common, "--trainer.max_steps", "100000",
+                                  "--trainer.val_check_interval", "100000", "--trainer.default_root_dir", str(tmp_path / "first")],
+                                 stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while "Trainable params" not in log.read_text() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        assert first.poll() is None, log.read_text()[-2000:]
+        monkeypatch.setattr(sys, "argv", ["lit-mhar", "fit", *common, "--trainer.max_steps", "2", "--trainer.default_root_dir", str(tmp_path / "second")])
+        assert main() == 2
+        (line,) = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+        assert f"checkpoint.dirpath='{folder}' is in use: another lit-mhar fit is saving its checkpoints there" in line, line
+        assert not (tmp_path / "second").exists() and not list(folder.glob("*.ckpt"))
+    finally:
+        first.kill()
+        first.wait()
+    # the lock went with the killed fit: the folder is free again
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", "fit", *common, "--trainer.max_steps", "2", "--trainer.default_root_dir", str(tmp_path / "third")])
+    assert main() == 0
+    assert sorted(p.name for p in folder.glob("*.ckpt"))[-1] == "last.ckpt"
