@@ -71,6 +71,29 @@ def usage() -> str:
     return USAGE.format(functions=functions)
 
 
+def check_config_files(argv: list[str]) -> None:
+    """Raises ValueError naming the file, line and column when a ``--config FILE`` in ``argv`` is
+    not valid YAML (jsonargparse would print its usage and an error that names the line but not
+    the file). Options that are not an existing file are left to jsonargparse (it also takes a
+    config as an inline string)."""
+    import yaml
+
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in paths:
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                yaml.compose(f, Loader=yaml.SafeLoader)  # the syntax only; jsonargparse reads the values
+        except yaml.MarkedYAMLError as e:
+            where = f" at line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}" if e.problem_mark else ""
+            context = f" ({e.context} at line {e.context_mark.line + 1})" if e.context and e.context_mark else ""
+            raise ValueError(f"--config {path}: not valid YAML: {e.problem}{where}{context}; correct the file") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--config {path}: not a text file ({e.reason} at byte {e.start}); give a YAML file") from None
+
+
 DEBUG_ENV = "LIT_MHAR_DEBUG"  # set to 1: user errors raise with their traceback instead of one line
 
 
@@ -171,6 +194,7 @@ def main(args: Optional[list[str]] = None) -> int:
     command = f"lit-mhar {verb}"
     try:
         if verb in LIGHTNING_VERBS:
+            check_config_files(rest)
             from lit_mhar.cli.lightning import run_lightning
 
             run_lightning(lightning_args)
@@ -180,6 +204,7 @@ def main(args: Optional[list[str]] = None) -> int:
         function = FUNCTION_VERBS[verb][0]()
         if isinstance(function, list) and rest and rest[0] in {f.__name__ for f in function}:
             command += f" {rest[0]}"  # the subcommand: lit-mhar sweep run
+        check_config_files(rest)
         result = CLI(function, args=rest, prog=f"lit-mhar {verb}", as_positional=False)
         return result if isinstance(result, int) and not isinstance(result, bool) else 0
     except KeyboardInterrupt:
