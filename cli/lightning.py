@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import platform
 import subprocess
@@ -15,11 +16,13 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichModelSummary
+from lightning.pytorch.callbacks import ModelSummary as _LightningModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 
 import lit_mhar
+from lit_mhar.callbacks import ModelSummary
 from lit_mhar.checkpoint import CHECKPOINT_LAYOUT, check_finite_weights, load_checkpoint_file
 from lit_mhar.data import TokenDataModule
 from lit_mhar.module import LitLM, check_compile
@@ -536,11 +539,51 @@ class LitMharCLI(LightningCLI):
             from lit_mhar.module import fsdp_strategy
 
             kwargs["strategy"] = fsdp_strategy()
-        if self.subcommand in ("validate", "test", "predict"):
-            # these save no checkpoint: the checkpoint callback's state, restored from --ckpt_path,
-            # is only kept, so its note that this run's folder is not the checkpoint's run's is noise
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if self.subcommand in ("validate", "test", "predict") or (self.subcommand == "fit" and config.get("ckpt_path")):
+            # validate & co. save no checkpoint, and a resumed fit saves into a folder of its own
+            # (resumed-*): the checkpoint callback's note that its folder is not the checkpoint's is noise
             warnings.filterwarnings("ignore", message="The dirpath has changed from", category=UserWarning)
-        return super().instantiate_trainer(**kwargs)
+        precision = str(config.get("trainer.precision") or "")
+        if "bf16" in precision or "16-mixed" in precision:
+            # under mixed precision the matmuls run in 16 bits: float32 matmul precision does not apply
+            _QUIET.add(_MATMUL_PRECISION_TIP)
+        trainer = super().instantiate_trainer(**kwargs)
+        # Lightning's default summary prints FLOPs as 0 for a module without an example input
+        trainer.callbacks = [
+            ModelSummary(max_depth=c._max_depth) if type(c) in (_LightningModelSummary, RichModelSummary) else c for c in trainer.callbacks
+        ]
+        return trainer
+
+
+# Known, harmless output of Lightning and its dependencies at every fit, matched by message.
+_HARMLESS_WARNINGS = (
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's own call of a torch API
+    # litdata's StreamingDataset divides itself among loader workers, so its length holds for any number
+    r"Your `IterableDataset` has `__len__` defined",
+)
+_LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"  # an advertisement, at every fit
+_MATMUL_PRECISION_TIP = "torch.set_float32_matmul_precision"
+
+
+class _Quiet(logging.Filter):
+    """Drops the log records of Lightning's that hold one of a set of known, harmless messages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: set[str] = set()
+
+    def add(self, message: str) -> None:
+        self.messages.add(message)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not any(m in text for m in self.messages)
+
+
+_QUIET = _Quiet()
+# where Lightning's rank_zero_info records come from (Lightning's and Fabric's module of that name)
+_LIGHTNING_INFO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
 
 
 def saved_lines(trainer: L.Trainer) -> list[str]:
@@ -572,10 +615,16 @@ def run_lightning(args: Optional[list[str]] = None) -> LitMharCLI:
     any data or model work when the MLflow tracking server does not answer.
     """
     held = len(_FIT_LOCKS)
+    _QUIET.messages = {_LITLOGGER_TIP}
+    loggers = [logging.getLogger(name) for name in _LIGHTNING_INFO_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(_QUIET)
     try:
         with warnings.catch_warnings():
             # explicit args are this function's purpose (tests, sweep trials), not a mistake to warn about
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended", category=UserWarning)
+            for message in _HARMLESS_WARNINGS:
+                warnings.filterwarnings("ignore", message=message)
             return LitMharCLI(
                 LitLM,
                 TokenDataModule,
@@ -584,6 +633,8 @@ def run_lightning(args: Optional[list[str]] = None) -> LitMharCLI:
                 args=args,
             )
     finally:
+        for logger in loggers:
+            logger.removeFilter(_QUIET)
         while len(_FIT_LOCKS) > held:  # this command's checkpoint-folder lock, however it ended
             lock = _FIT_LOCKS.pop()
             if lock is not None:

@@ -107,3 +107,28 @@ def _diverged_message(trainer: L.Trainer, pl_module: L.LightningModule, step: in
         f"training diverged: {_WHAT[row]} is NaN or infinite at step {step}{' (its loss was finite)' if row == _GRAD else ''}; "
         f"stopped, and {saved}. Try {', '.join(tries[:-1])} or {tries[-1]}"
     )
+
+
+class ModelSummary(L.pytorch.callbacks.ModelSummary):
+    """Lightning's model summary, with the training FLOPs per token of :meth:`LM.flops_per_token`
+    (the formula of ``perf/mfu``) in place of Lightning's FLOPs column and total, which Lightning
+    measures only for a module with an ``example_input_array`` and otherwise prints as 0.
+    ``lit-mhar fit`` puts it in place of Lightning's default summary (same ``max_depth``)."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        model, config = getattr(pl_module, "model", None), getattr(pl_module, "config", None)
+        self._flops = model.flops_per_token(config.seq_len) if hasattr(model, "flops_per_token") and config is not None else None
+        super().on_fit_start(trainer, pl_module)
+
+    def summarize(self, summary_data: list, total_parameters: int, trainable_parameters: int, model_size: float,
+                  total_training_modes: dict[str, int], total_flops: int, **summarize_kwargs: Any) -> None:  # fmt: skip
+        import logging
+
+        from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table, get_human_readable_count
+
+        columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
+        table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes, total_flops, *columns)
+        lines = [line for line in table.splitlines() if not line.rstrip().endswith("Total Flops")]
+        if self._flops:
+            lines.append(f"{get_human_readable_count(int(self._flops)):<10}Training FLOPs per token (6N + attention, as perf/mfu counts them)")
+        logging.getLogger(L.pytorch.callbacks.model_summary.__name__).info("\n" + "\n".join(lines))
