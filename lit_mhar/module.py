@@ -154,7 +154,8 @@ class LitLM(L.LightningModule):
     ``val/loss`` (the validation loss, nats per token), ``perf/tokens_per_s``,
     ``perf/mfu`` (on GPUs with a known peak; FLOPs from :meth:`LM.flops_per_token`),
     ``perf/peak_memory_gb`` (``torch.cuda.max_memory_allocated``) and, every
-    ``routing_log_every_n_steps`` steps, ``routing/site_XX/max_weight`` and ``.../entropy``.
+    ``routing_log_every_n_steps`` steps (at those steps only), ``routing/site_XX/max_weight`` and
+    ``.../entropy``.
 
     Args:
         config: the model: preset name, residual variant, heads H, block size S and overrides.
@@ -411,12 +412,16 @@ class LitLM(L.LightningModule):
 
     @torch.no_grad()
     def _log_routing(self, inputs: Tensor) -> None:
-        """Max routing weight and entropy (nats) per routing site, on the current batch."""
+        """Max routing weight and entropy (nats) per routing site, on the current batch, logged at
+        this step only: given to self.log, Lightning would log the value again at every later
+        logging step until the next one is computed."""
+        stats: dict[str, Tensor] = {}
         _, weights = self.model(inputs, return_routing=True)
         for site, w in enumerate(weights):
-            max_weight, entropy = routing_stats(w)
-            self.log(f"routing/site_{site:02d}/max_weight", max_weight)
-            self.log(f"routing/site_{site:02d}/entropy", entropy)
+            stats[f"routing/site_{site:02d}/max_weight"], stats[f"routing/site_{site:02d}/entropy"] = routing_stats(w)
+        values = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one read from the device
+        for logger in self.loggers:  # they write on rank 0 only; steps numbered as train/loss's
+            logger.log_metrics(values, step=self.global_step)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.hparams.get("init_from") is not None:
