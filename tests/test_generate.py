@@ -408,7 +408,7 @@ def test_cli_generate_streams_what_the_function_returns(trained, capsys):
     # --stream false prints the sample when it is done (it printed nothing at all before)
     assert main(["generate", *args, "--stream", "false"]) == 0
     printed = capsys.readouterr()
-    assert printed.out == "--- sample 0 (max_new_tokens) ---\ndef dumps(obj" + result.texts[0] + "\n"
+    assert printed.out == "--- sample 0 (stopped: max_new_tokens) ---\ndef dumps(obj" + result.texts[0] + "\n"
     assert "seed 3" in printed.err
 
 
@@ -519,3 +519,37 @@ def test_a_padded_embedding_table_takes_the_tokenizer_beside_the_checkpoint(trai
     shutil.copyfile(trained["data"] / "tokenizer.json", folder / "tokenizer.json")
     assert generate(str(folder / "model.ckpt"), "def", max_new_tokens=2, verbose=False).token_ids
     assert generate(str(folder / "model.ckpt"), "def", max_new_tokens=2, tokenizer=str(trained["data"]), verbose=False).token_ids
+
+
+def test_reported_speeds_are_the_steady_state_not_the_first_calls_compilation():
+    """On a fresh GPU the first call's kernel compilation counted as decoding ("prefill 1 tok/s,
+    decode 5.3 tok/s" for a 100m model): the first call of each shape here takes 1.5 s, as a
+    compilation would, and the timed prefill and decode must not contain it."""
+    import time
+
+    model = LM(ModelConfig.from_name("debug", n_layer=1, d_model=32, n_head=2, n_kv_head=1, ffn_dim=32, vocab_size=50, seq_len=32)).eval()
+    seen = set()
+    forward = model.forward
+
+    def first_call_compiles(idx, **kw):
+        if idx.shape not in seen:
+            seen.add(idx.shape)
+            time.sleep(1.5)
+        return forward(idx, **kw)
+
+    model.forward = first_call_compiles
+    ids, _, timing = generate_ids(model, torch.tensor([1, 2, 3]), 6, temperature=0, num_samples=2)
+    assert timing["warmup_s"] >= 3.0 and timing["prefill_s"] < 1.0 and timing["decode_s"] < 1.0, timing
+    model.forward = forward
+    assert torch.equal(generate_ids(model, torch.tensor([1, 2, 3]), 6, temperature=0, num_samples=2, warmup=False)[0], ids)
+
+
+def test_generate_says_when_the_context_stops_a_sample_and_cuts_max_new_tokens(trained, capsys):
+    """The header read `(context)`, like a label; a max_new_tokens cut by the context went unsaid."""
+    assert main(["generate", "--ckpt", str(trained["ckpt"]), "--prompt", "import json", "--max_new_tokens", "500",
+                 "--stop_at_eos", "false", "--stream", "false", "--seed", "0"]) == 0  # fmt: skip
+    printed = capsys.readouterr()
+    assert printed.out.startswith("--- sample 0 (stopped: context full) ---\n")
+    (note,) = [line for line in printed.err.splitlines() if "note:" in line]
+    assert "max_new_tokens=500 is cut to" in note and "the model's context of 32 tokens (seq_len)" in note
+    assert "(stopped: context full); prefill" in printed.err and "steady state, after a" in printed.err
