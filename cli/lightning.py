@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import platform
@@ -190,6 +191,125 @@ def check_cuda_graph(config: Any) -> None:
             f"model.cuda_graph=True needs one CUDA GPU (strategy auto, one node), no gradient accumulation and no activation "
             f"checkpointing; got {why}; {remedy}"
         )
+
+
+def _model_context(config: Any, subcommand: str, checkpoint: Optional[dict]) -> tuple[Optional[int], str]:
+    """The longest sequence the model of this command can take and where that comes from: the
+    checkpoint's ``seq_len`` for validate / test / predict ``--ckpt_path`` and fit's
+    ``--model.init_from``, else the preset's context (``ModelConfig.name``); None for what is not
+    known here (a fit resumed from ``--ckpt_path``: :func:`check_resume` holds it to the checkpoint's)."""
+    from lit_mhar.checkpoint import load_checkpoint_file
+    from lit_mhar.config import PRESETS
+
+    if subcommand == "fit" and config.get("ckpt_path"):
+        return None, ""
+    source, where = None, ""
+    if subcommand != "fit" and checkpoint is not None:
+        source, where = checkpoint, f"the checkpoint's ({config['ckpt_path']})"
+    init = config.get("model.init_from") if subcommand == "fit" else None
+    if init and Path(str(init)).is_file():
+        source, where = load_checkpoint_file(str(init)), f"the checkpoint's it starts from ({init})"
+    if source is not None:
+        saved = (source.get("hyper_parameters") or {}).get("config")
+        seq_len = saved.get("seq_len") if isinstance(saved, dict) else getattr(saved, "seq_len", None)
+        return (seq_len, where) if isinstance(seq_len, int) else (None, "")
+    name = config.get("model.config.name")
+    if name in PRESETS:
+        return PRESETS[name]["seq_len"], f"the {name} preset's (ModelConfig.name)"
+    return None, ""
+
+
+def check_seq_len(config: Any, subcommand: str, checkpoint: Optional[dict] = None) -> None:
+    """Raises ValueError, before any work, for a ``data.seq_len`` above the model's context
+    (:func:`_model_context`) or above the longest block the split this command reads can serve
+    (:func:`lit_mhar.data.longest_block`: ``train`` for fit, ``val`` for validate / test). A
+    dataset not prepared yet is checked when it is."""
+    from lit_mhar.config import PRESETS
+    from lit_mhar.data import MANIFEST_NAME, longest_block
+
+    seq_len = config.get("data.seq_len")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
+        return
+    context, where = _model_context(config, subcommand, checkpoint)
+    if context is not None and seq_len > context:
+        others = ", ".join(f"{n} {p['seq_len']}" for n, p in PRESETS.items() if p["seq_len"] >= seq_len)
+        raise ValueError(
+            f"data.seq_len={seq_len} is longer than the model's context of {context} tokens, {where}; give --data.seq_len "
+            f"{context} or less" + (f", or a preset with a longer context (--model.config.name: {others})" if others and "preset" in where else "")
+        )
+    split = {"fit": "train", "validate": "val", "test": "val"}.get(subcommand)
+    data_dir = config.get("data.data_dir")
+    if split is None or not data_dir or not (Path(str(data_dir)) / MANIFEST_NAME).is_file():
+        return
+    longest = longest_block(str(data_dir), split)
+    if seq_len > longest:
+        raise ValueError(
+            f"data.seq_len={seq_len} is longer than any block the {split} split of {data_dir} holds: its largest chunk has "
+            f"{longest + 1} tokens, and a block (seq_len + 1 tokens) never spans chunks. Give --data.seq_len {longest} or less, "
+            "or prepare the data again with a larger --chunk_bytes (lit-mhar prepare)"
+        )
+
+
+def check_memory(config: Any) -> None:
+    """Refuses a fit whose training step cannot fit in the memory of its device (estimated,
+    :func:`lit_mhar.memory.training_bytes`), before any work; warns (stderr) where it may not.
+
+    On the CPU the estimate is the path that runs (eager, float32): more than the available RAM is
+    refused, more than 80 % of it gets a warning. On a GPU it is an upper bound (the fused kernels
+    and compiled models keep less): more than twice the device's free memory is refused, more than
+    its free memory gets a warning. Nothing is checked where the model or the device is not known yet.
+
+    Raises:
+        ValueError: naming the estimate, what is available and what to lower.
+    """
+    from lit_mhar.checkpoint import load_checkpoint_file
+    from lit_mhar.config import ModelConfig
+    from lit_mhar.data import MANIFEST_NAME
+    from lit_mhar.memory import available_bytes, training_bytes
+
+    seq_len, batch = config.get("data.seq_len"), config.get("data.batch_size")
+    data_dir = config.get("data.data_dir")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (seq_len, batch)):
+        return
+    manifest = Path(str(data_dir)) / MANIFEST_NAME if data_dir else None
+    vocab = json.loads(manifest.read_text()).get("vocab_size") if manifest is not None and manifest.is_file() else None
+    init = config.get("model.init_from")
+    try:
+        if init and Path(str(init)).is_file():
+            saved = load_checkpoint_file(str(init))["hyper_parameters"]["config"]
+            fields = saved if isinstance(saved, dict) else saved.to_dict()
+        else:
+            fields = _flat_dict(config.get("model.config"))
+        cfg = ModelConfig(**{**fields, "seq_len": seq_len, **({"vocab_size": vocab} if vocab else {})})
+    except (ValueError, TypeError, KeyError):
+        return  # an invalid model is refused by name where it is built
+    accelerator = str(config.get("trainer.accelerator") or "auto").lower()
+    gpu = accelerator in _GPU_ACCELERATORS or (accelerator == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", 0) if gpu and torch.cuda.is_available() else torch.device("cpu")
+    free = available_bytes(device)
+    if free is None:
+        return
+    precision = str(config.get("trainer.precision") or "")
+    needed = training_bytes(cfg, batch, mixed_precision="16" in precision, activation_checkpointing=bool(config.get("model.activation_checkpointing")))
+    refuse, warn = (free, 0.8 * free) if device.type == "cpu" else (2 * free, free)
+    if needed <= warn:
+        return
+    what = (
+        f"a training step of {batch} x {seq_len} tokens of this model ({cfg.name} {cfg.residual}, d={cfg.d_model}, L={cfg.n_layer}) "
+        f"needs about {needed / 2**30:.1f} GiB (estimated), and {'this GPU has' if device.type == 'cuda' else 'this machine has'} "
+        f"{free / 2**30:.1f} GiB free"
+    )
+    remedy = "lower --data.batch_size or --data.seq_len, or pass --model.activation_checkpointing true"
+    if needed > refuse:
+        raise ValueError(f"{what}: it would run out of memory; {remedy}")
+    print(f"[lit-mhar] warning: {what}; it may run out of memory ({remedy})", file=sys.stderr, flush=True)
+
+
+def _flat_dict(value: Any) -> dict:
+    """A jsonargparse namespace (or dict) of ModelConfig's fields as a plain dict."""
+    if value is None:
+        return {}
+    return dict(value.items()) if hasattr(value, "items") else dict(vars(value))
 
 
 def check_accumulate_grad_batches(value: Any) -> None:
@@ -456,6 +576,9 @@ class LitMharCLI(LightningCLI):
             check_trainer_limits(config.get("trainer.max_steps", -1), config.get("trainer.max_epochs"))
             check_checkpoint_dirpath(config.get("checkpoint.dirpath"))
         resumed = getattr(self, "_checkpoint", None)  # --ckpt_path, read and checked by _parse_ckpt_path
+        check_seq_len(config, self.subcommand, resumed)
+        if self.subcommand == "fit":
+            check_memory(config)
         if self.subcommand == "fit" and resumed is not None:
             check_resume(resumed, config, os.fspath(config["ckpt_path"]))
         elif self.subcommand in ("validate", "test", "predict") and not config.get("ckpt_path"):

@@ -688,6 +688,13 @@ def read_manifest(data_dir: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
+def longest_block(data_dir: str | os.PathLike, split: str) -> int:
+    """The longest ``seq_len`` the ``split`` of the dataset at ``data_dir`` can serve: the tokens of
+    its largest chunk, minus 1 (a block is ``seq_len + 1`` tokens and never spans chunks)."""
+    chunks = json.loads((Path(data_dir) / split / "index.json").read_text())["chunks"]
+    return max((int(c["dim"]) for c in chunks), default=0) - 1
+
+
 # ----------------------------------------------------------------------------- DataModule
 
 
