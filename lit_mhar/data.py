@@ -47,6 +47,7 @@ from litdata.streaming.item_loader import TokensLoader  # noqa: E402
 from litdata.utilities.format import _convert_bytes_to_int  # noqa: E402
 
 from lit_mhar.outputs import check_output_dir, staged_directory  # noqa: E402
+from lit_mhar.processes import forked_children_die_with_parent  # noqa: E402
 
 __all__ = ["EOS_TOKEN", "MANIFEST_NAME", "TOKENIZER_NAME", "TokenDataModule", "prepare", "read_manifest"]
 
@@ -503,7 +504,8 @@ def _optimize(
     fn: Any, groups: list[list[_Source]], split_dir: Path, chunk_bytes: int, num_workers: int
 ) -> tuple[int, int]:
     """Runs litdata.optimize into ``split_dir``; returns (tokens, chunks) from its index.json."""
-    with _contained_optimize(split_dir.parent / _OPTIMIZE_SCRATCH):
+    # its workers die with this process, however it ends (their output is a staging folder)
+    with _contained_optimize(split_dir.parent / _OPTIMIZE_SCRATCH), forked_children_die_with_parent():
         litdata.optimize(
             fn=fn,
             inputs=groups,

@@ -37,6 +37,7 @@ How a sweep runs (every step uses Optuna's or MLflow's public API):
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -55,6 +56,7 @@ from typing import Any, Optional, Union
 import yaml
 from jsonargparse.typing import Path_fr
 
+from lit_mhar.processes import die_with_parent
 from lit_mhar.tracking import redact
 from lit_mhar.sweeps.space import (
     Budget,
@@ -575,8 +577,10 @@ class SweepObjective:
         result = trial_dir / "result.json"
         command = [sys.executable, "-m", "lit_mhar.sweeps.trial", "--config", str(trial_dir / "trial.yaml"), "--result", str(result)]
         with open(trial_dir / "trial.log", "wb") as log:
-            # Own session: a Ctrl-C in the terminal reaches the runner, which stops the trial itself.
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            # Own session: a Ctrl-C in the terminal reaches the runner, which stops the trial itself;
+            # SIGTERM when the runner dies, however it dies (kill -9 included)
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))
             try:
                 code = proc.wait(timeout=ctx.trial_timeout)
             except subprocess.TimeoutExpired:
@@ -722,6 +726,9 @@ def _work(ctx: Context) -> None:
 
 
 def _work_in_process(ctx: Context) -> None:
+    import multiprocessing
+
+    die_with_parent(signal.SIGTERM, multiprocessing.parent_process().pid)  # a killed `sweep run` takes its workers along
     try:
         work(ctx)
     except KeyboardInterrupt:
