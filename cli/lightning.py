@@ -27,7 +27,7 @@ from lit_mhar.callbacks import ModelSummary
 from lit_mhar.checkpoint import CHECKPOINT_LAYOUT, check_finite_weights, load_checkpoint_file
 from lit_mhar.data import TokenDataModule
 from lit_mhar.module import LitLM, check_compile
-from lit_mhar.tracking import absolute_tracking_uri, check_tracking_uri, redact, tracking_uri
+from lit_mhar.tracking import absolute_tracking_uri, check_tracking_uri, log_dataset_inputs, redact, tag_experiment, tracking_uri
 
 DEFAULT_EXPERIMENT = "lit-mhar"
 
@@ -65,6 +65,11 @@ def run_tags() -> dict[str, str]:
 class MLflowSaveConfig(SaveConfigCallback):
     """Stores the full resolved config (``config.yaml`` artifact), versions and git commit in the MLflow run.
 
+    It also tags the run's experiment as model training (the MLflow UI then opens it on its runs),
+    logs the prepared dataset's splits as the run's dataset inputs (fit: train and val; validate /
+    test: val) and starts the logger's system metrics where they are asked for
+    (:mod:`lit_mhar.tracking`).
+
     The config is also written to the run's folder ``<default_root_dir>/<experiment_id>/<run_id>/``,
     beside its checkpoints, and that folder becomes the logger's ``untracked_dir``
     (:class:`lit_mhar.tracking.MLFlowLogger`). Other loggers get the config file in their log dir as
@@ -89,6 +94,13 @@ class MLflowSaveConfig(SaveConfigCallback):
                     client.update_run(run_id, status="RUNNING")
                 for key, value in run_tags().items():
                     client.set_tag(run_id, key, value)
+                tag_experiment(client, str(logger.experiment_id))
+                datamodule = trainer.datamodule
+                if isinstance(datamodule, TokenDataModule):
+                    splits = {"train": "training", "val": "evaluation"} if stage == "fit" else {"val": "evaluation"}
+                    log_dataset_inputs(client, run_id, datamodule.data_dir, datamodule.manifest, splits)
+                if hasattr(logger, "start_system_metrics"):
+                    logger.start_system_metrics()
                 with tempfile.TemporaryDirectory() as tmp:
                     path = Path(tmp) / "config.yaml"
                     path.write_text(text)
