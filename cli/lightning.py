@@ -210,7 +210,6 @@ def _model_context(config: Any, subcommand: str, checkpoint: Optional[dict]) -> 
     checkpoint's ``seq_len`` for validate / test / predict ``--ckpt_path`` and fit's
     ``--model.init_from``, else the preset's context (``ModelConfig.name``); None for what is not
     known here (a fit resumed from ``--ckpt_path``: :func:`check_resume` holds it to the checkpoint's)."""
-    from lit_mhar.checkpoint import load_checkpoint_file
     from lit_mhar.config import PRESETS
 
     if subcommand == "fit" and config.get("ckpt_path"):
@@ -274,7 +273,6 @@ def check_memory(config: Any) -> None:
     Raises:
         ValueError: naming the estimate, what is available and what to lower.
     """
-    from lit_mhar.checkpoint import load_checkpoint_file
     from lit_mhar.config import ModelConfig
     from lit_mhar.data import MANIFEST_NAME
     from lit_mhar.memory import available_bytes, training_bytes
