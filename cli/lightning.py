@@ -683,9 +683,9 @@ class LitMharCLI(LightningCLI):
             _QUIET.add(_MATMUL_PRECISION_TIP)
         trainer = super().instantiate_trainer(**kwargs)
         # Lightning's default summary prints FLOPs as 0 for a module without an example input
-        trainer.callbacks = [
-            ModelSummary(max_depth=c._max_depth) if type(c) in (_LightningModelSummary, RichModelSummary) else c for c in trainer.callbacks
-        ]
+        for i, callback in enumerate(getattr(trainer, "callbacks", ())):
+            if type(callback) in (_LightningModelSummary, RichModelSummary):
+                trainer.callbacks[i] = ModelSummary(max_depth=callback._max_depth)
         return trainer
 
 
