@@ -2,8 +2,9 @@
 
 On Linux a process can ask the kernel for a signal when its parent dies (``prctl(PR_SET_PDEATHSIG)``);
 elsewhere these functions do nothing. ``prepare``'s litdata workers get ``SIGKILL`` (their output is
-a staging folder the next ``prepare`` removes), a sweep's trial processes ``SIGTERM`` (the fit stops
-at its next step and closes its MLflow run as failed).
+a staging folder the next ``prepare`` removes), a sweep's trial processes :data:`RUNNER_DIED` (the
+trial records that its runner died and closes its MLflow run as KILLED), ``--workers`` processes
+``SIGTERM`` (they stop their trial as on Ctrl-C).
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ import sys
 from typing import Iterator, Optional
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# The signal a sweep's trial process gets when its runner dies: one it receives for nothing else, so
+# that it knows (its parent pid may still read as the runner's when the signal comes: a killed
+# runner's threads die one by one, and the kernel signals the child when the thread that started it
+# dies).
+RUNNER_DIED = signal.SIGUSR2
 # Looked up once, here: a child between fork and exec must not load libraries (another thread of
 # the parent may have held the loader's lock at the fork).
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None

@@ -56,7 +56,7 @@ from typing import Any, Optional, Union
 import yaml
 from jsonargparse.typing import Path_fr
 
-from lit_mhar.processes import die_with_parent
+from lit_mhar.processes import RUNNER_DIED, die_with_parent
 from lit_mhar.tracking import redact
 from lit_mhar.sweeps.space import (
     Budget,
@@ -578,9 +578,9 @@ class SweepObjective:
         command = [sys.executable, "-m", "lit_mhar.sweeps.trial", "--config", str(trial_dir / "trial.yaml"), "--result", str(result)]
         with open(trial_dir / "trial.log", "wb") as log:
             # Own session: a Ctrl-C in the terminal reaches the runner, which stops the trial itself;
-            # SIGTERM when the runner dies, however it dies (kill -9 included)
+            # the kernel signals the trial when the runner dies, however it dies (kill -9 included)
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                    preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))
+                                    preexec_fn=functools.partial(die_with_parent, RUNNER_DIED, os.getpid()))
             try:
                 code = proc.wait(timeout=ctx.trial_timeout)
             except subprocess.TimeoutExpired:

@@ -27,6 +27,8 @@ from typing import Any, Optional
 
 import lightning as L
 
+from lit_mhar.processes import RUNNER_DIED
+
 
 class OptunaPruning(L.Callback):
     """Reports each validation's ``monitor`` to an Optuna trial and stops the fit when the pruner says so.
@@ -38,7 +40,7 @@ class OptunaPruning(L.Callback):
 
     The callback also stops the fit if the runner that started this process has died (the parent
     pid changed), so a killed sweep leaves no orphaned training behind. (On Linux the runner also
-    asks the kernel to send the trial SIGTERM when it dies: the fit stops at its next step.)
+    asks the kernel to send the trial :data:`lit_mhar.processes.RUNNER_DIED` when it dies: the trial stops at once.)
 
     Args:
         storage: Optuna storage URL (``sqlite:///...``, ``postgresql://...``) or ``journal:PATH``.
@@ -133,15 +135,17 @@ def run_trial(config: str, result: str) -> int:
     code = 1
     parent = os.getppid()
     sys.argv = sys.argv[:1]  # LightningCLI takes the args below, not this module's own
-    terminated: list[int] = []
+    stopped_by: list[int] = []
 
     def stop(signum: int, frame: Any) -> None:
-        # the runner's SIGTERM (a timeout, Ctrl-C) or the kernel's when the runner died: end now,
-        # from any phase, and still write the result (Lightning adds its own handler before this one)
-        terminated.append(signum)
-        raise SystemExit(128 + signum)
+        # the runner's SIGTERM (a timeout, Ctrl-C) or the kernel's RUNNER_DIED: end now, from any
+        # phase, and still write the result. (Lightning adds its own SIGTERM handler before this
+        # one, and on a KeyboardInterrupt stops the processes it launched.)
+        stopped_by.append(signum)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(RUNNER_DIED, stop)
     try:
         cli = run_lightning(["fit", "--config", config])
         pruning = next((c for c in cli.trainer.callbacks if isinstance(c, OptunaPruning)), None)
@@ -150,10 +154,12 @@ def run_trial(config: str, result: str) -> int:
         if pruning is not None and pruning.orphaned:  # the runner died: this run is not a result
             code = _orphaned(outcome, config)
     except BaseException as e:  # noqa: BLE001 - every failure is the trial's result
-        if os.getppid() != parent:  # the runner died (on Linux the kernel then sends SIGTERM)
+        # (the parent pid alone does not tell: when the runner is killed, its threads die one by
+        # one, and the kernel may signal this process before it gives it a new parent)
+        if RUNNER_DIED in stopped_by or os.getppid() != parent:
             code = _orphaned(outcome, config)
-        elif terminated:
-            outcome["error"] = "stopped by SIGTERM"
+        elif stopped_by:
+            outcome["error"] = "stopped by SIGTERM (from the sweep runner)"
         elif isinstance(e, SystemExit):  # jsonargparse reports bad arguments by exiting
             if e.code in (0, None):
                 outcome.update(status="ok")
