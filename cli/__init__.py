@@ -71,6 +71,29 @@ def usage() -> str:
     return USAGE.format(functions=functions)
 
 
+def check_config_files(argv: list[str]) -> None:
+    """Raises ValueError naming the file, line and column when a ``--config FILE`` in ``argv`` is
+    not valid YAML (jsonargparse would print its usage and an error that names the line but not
+    the file). Options that are not an existing file are left to jsonargparse (it also takes a
+    config as an inline string)."""
+    import yaml
+
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in paths:
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                yaml.compose(f, Loader=yaml.SafeLoader)  # the syntax only; jsonargparse reads the values
+        except yaml.MarkedYAMLError as e:
+            where = f" at line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}" if e.problem_mark else ""
+            context = f" ({e.context} at line {e.context_mark.line + 1})" if e.context and e.context_mark else ""
+            raise ValueError(f"--config {path}: not valid YAML: {e.problem}{where}{context}; correct the file") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--config {path}: not a text file ({e.reason} at byte {e.start}); give a YAML file") from None
+
+
 DEBUG_ENV = "LIT_MHAR_DEBUG"  # set to 1: user errors raise with their traceback instead of one line
 
 
@@ -101,6 +124,23 @@ def is_user_error(error: BaseException) -> bool:
     return isinstance(error, ValueError) and _raised_by_lit_mhar(error)
 
 
+def run_failure(error: BaseException) -> Optional[str]:
+    """The one-line message of a run that went wrong (see :func:`main`), or None for other errors:
+    a fit that diverged (``lit_mhar.callbacks.TrainingDiverged``) or ran out of memory
+    (``torch.OutOfMemoryError``)."""
+    callbacks = sys.modules.get("lit_mhar.callbacks")  # imported by whatever raised it, if that is the case
+    if callbacks is not None and isinstance(error, callbacks.TrainingDiverged):
+        return str(error)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(error, torch.OutOfMemoryError):
+        first = (str(error).strip().splitlines() or ["out of memory"])[0]
+        return (
+            f"out of memory: {first.rstrip('.')}. Use a smaller batch (--data.batch_size), sequence (--data.seq_len) or "
+            "model, free the device of other work, or, for fit, trade compute for memory with --model.activation_checkpointing true"
+        )
+    return None
+
+
 def _message(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror and error.filename is not None:
         return f"{error.strerror}: {error.filename}"  # open('x') -> "No such file or directory: x", not "[Errno 2] ..."
@@ -110,7 +150,7 @@ def _message(error: BaseException) -> str:
 def main(args: Optional[list[str]] = None) -> int:
     """Entry point of ``lit-mhar``; ``args`` defaults to ``sys.argv[1:]``. Returns the exit status.
 
-    Exit status: 0 on success; 2 for a usage or user error; 130 when interrupted (Ctrl-C, or SIGTERM
+    Exit status: 0 on success; 2 for a usage or user error; 1 for a run that went wrong (below); 130 when interrupted (Ctrl-C, or SIGTERM
     to ``sweep run``: one line, no traceback); what a command's function returns when that is an int
     (``sweep run``: 1 when the study holds no completed trial).
 
@@ -127,9 +167,13 @@ def main(args: Optional[list[str]] = None) -> int:
       this includes classes that LightningCLI instantiates for fit/validate/test/predict;
     * ``lit_mhar.tracking.TrackingUnavailable``: the MLflow server given cannot be reached.
 
+    A run that went wrong prints one line the same way and exits 1 (:func:`run_failure`): a fit
+    whose loss or gradient norm became NaN or infinite (``TrainingDiverged``: the step and what to
+    try), and ``torch.OutOfMemoryError`` (what to shrink).
+
     Everything else keeps its traceback: a ``ValueError`` raised inside torch or another library
-    (a shape mismatch deep inside torch is a bug, not a bad argument), ``RuntimeError``
-    (CUDA errors, out of memory), ``TypeError``, ``KeyError``, ``KeyboardInterrupt``. Argument
+    (a shape mismatch deep inside torch is a bug, not a bad argument), other ``RuntimeError`` exceptions
+    (CUDA errors), ``TypeError``, ``KeyError``, ``KeyboardInterrupt``. Argument
     parsing errors are jsonargparse's: a usage message and exit 2 (``SystemExit``), as before.
 
     Called from Python with an argument list, every exception propagates unchanged, so callers
@@ -150,6 +194,7 @@ def main(args: Optional[list[str]] = None) -> int:
     command = f"lit-mhar {verb}"
     try:
         if verb in LIGHTNING_VERBS:
+            check_config_files(rest)
             from lit_mhar.cli.lightning import run_lightning
 
             run_lightning(lightning_args)
@@ -159,6 +204,7 @@ def main(args: Optional[list[str]] = None) -> int:
         function = FUNCTION_VERBS[verb][0]()
         if isinstance(function, list) and rest and rest[0] in {f.__name__ for f in function}:
             command += f" {rest[0]}"  # the subcommand: lit-mhar sweep run
+        check_config_files(rest)
         result = CLI(function, args=rest, prog=f"lit-mhar {verb}", as_positional=False)
         return result if isinstance(result, int) and not isinstance(result, bool) else 0
     except KeyboardInterrupt:
@@ -168,7 +214,13 @@ def main(args: Optional[list[str]] = None) -> int:
         print(f"{command}: interrupted", file=sys.stderr)
         return 130
     except Exception as error:
-        if args is not None or os.environ.get(DEBUG_ENV, "") not in ("", "0") or not is_user_error(error):
+        if args is not None or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        failure = run_failure(error)
+        if failure is not None:
+            print(f"{command}: error: {failure} ({DEBUG_ENV}=1 shows the traceback)", file=sys.stderr)
+            return 1
+        if not is_user_error(error):
             raise
         message = _message(error)
         hint = f"({DEBUG_ENV}=1 shows the traceback)"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import json
+import logging
 import os
 import platform
 import subprocess
@@ -15,23 +17,19 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichModelSummary
+from lightning.pytorch.callbacks import ModelSummary as _LightningModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 
 import lit_mhar
-from lit_mhar.convert import CHECKPOINT_LAYOUT
+from lit_mhar.callbacks import ModelSummary
+from lit_mhar.checkpoint import CHECKPOINT_LAYOUT, check_finite_weights, load_checkpoint_file
 from lit_mhar.data import TokenDataModule
 from lit_mhar.module import LitLM, check_compile
-from lit_mhar.tracking import check_tracking_uri, redact
+from lit_mhar.tracking import absolute_tracking_uri, check_tracking_uri, log_dataset_inputs, redact, tag_experiment, tracking_uri
 
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "lit-mhar"
-
-
-def tracking_uri() -> str:
-    """``MLFLOW_TRACKING_URI`` if set, else a local sqlite store ``./mlflow.db``."""
-    return os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
 
 
 def git_commit() -> str:
@@ -67,6 +65,11 @@ def run_tags() -> dict[str, str]:
 class MLflowSaveConfig(SaveConfigCallback):
     """Stores the full resolved config (``config.yaml`` artifact), versions and git commit in the MLflow run.
 
+    It also tags the run's experiment as model training (the MLflow UI then opens it on its runs),
+    logs the prepared dataset's splits as the run's dataset inputs (fit: train and val; validate /
+    test: val) and starts the logger's system metrics where they are asked for
+    (:mod:`lit_mhar.tracking`).
+
     The config is also written to the run's folder ``<default_root_dir>/<experiment_id>/<run_id>/``,
     beside its checkpoints, and that folder becomes the logger's ``untracked_dir``
     (:class:`lit_mhar.tracking.MLFlowLogger`). Other loggers get the config file in their log dir as
@@ -91,6 +94,13 @@ class MLflowSaveConfig(SaveConfigCallback):
                     client.update_run(run_id, status="RUNNING")
                 for key, value in run_tags().items():
                     client.set_tag(run_id, key, value)
+                tag_experiment(client, str(logger.experiment_id))
+                datamodule = trainer.datamodule
+                if isinstance(datamodule, TokenDataModule):
+                    splits = {"train": "training", "val": "evaluation"} if stage == "fit" else {"val": "evaluation"}
+                    log_dataset_inputs(client, run_id, datamodule.data_dir, datamodule.manifest, splits)
+                if hasattr(logger, "start_system_metrics"):
+                    logger.start_system_metrics()
                 with tempfile.TemporaryDirectory() as tmp:
                     path = Path(tmp) / "config.yaml"
                     path.write_text(text)
@@ -195,6 +205,123 @@ def check_cuda_graph(config: Any) -> None:
         )
 
 
+def _model_context(config: Any, subcommand: str, checkpoint: Optional[dict]) -> tuple[Optional[int], str]:
+    """The longest sequence the model of this command can take and where that comes from: the
+    checkpoint's ``seq_len`` for validate / test / predict ``--ckpt_path`` and fit's
+    ``--model.init_from``, else the preset's context (``ModelConfig.name``); None for what is not
+    known here (a fit resumed from ``--ckpt_path``: :func:`check_resume` holds it to the checkpoint's)."""
+    from lit_mhar.config import PRESETS
+
+    if subcommand == "fit" and config.get("ckpt_path"):
+        return None, ""
+    source, where = None, ""
+    if subcommand != "fit" and checkpoint is not None:
+        source, where = checkpoint, f"the checkpoint's ({config['ckpt_path']})"
+    init = config.get("model.init_from") if subcommand == "fit" else None
+    if init and Path(str(init)).is_file():
+        source, where = load_checkpoint_file(str(init)), f"the checkpoint's it starts from ({init})"
+    if source is not None:
+        saved = (source.get("hyper_parameters") or {}).get("config")
+        seq_len = saved.get("seq_len") if isinstance(saved, dict) else getattr(saved, "seq_len", None)
+        return (seq_len, where) if isinstance(seq_len, int) else (None, "")
+    name = config.get("model.config.name")
+    if name in PRESETS:
+        return PRESETS[name]["seq_len"], f"the {name} preset's (ModelConfig.name)"
+    return None, ""
+
+
+def check_seq_len(config: Any, subcommand: str, checkpoint: Optional[dict] = None) -> None:
+    """Raises ValueError, before any work, for a ``data.seq_len`` above the model's context
+    (:func:`_model_context`) or above the longest block the split this command reads can serve
+    (:func:`lit_mhar.data.longest_block`: ``train`` for fit, ``val`` for validate / test). A
+    dataset not prepared yet is checked when it is."""
+    from lit_mhar.config import PRESETS
+    from lit_mhar.data import MANIFEST_NAME, longest_block
+
+    seq_len = config.get("data.seq_len")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
+        return
+    context, where = _model_context(config, subcommand, checkpoint)
+    if context is not None and seq_len > context:
+        others = ", ".join(f"{n} {p['seq_len']}" for n, p in PRESETS.items() if p["seq_len"] >= seq_len)
+        raise ValueError(
+            f"data.seq_len={seq_len} is longer than the model's context of {context} tokens, {where}; give --data.seq_len "
+            f"{context} or less" + (f", or a preset with a longer context (--model.config.name: {others})" if others and "preset" in where else "")
+        )
+    split = {"fit": "train", "validate": "val", "test": "val"}.get(subcommand)
+    data_dir = config.get("data.data_dir")
+    if split is None or not data_dir or not (Path(str(data_dir)) / MANIFEST_NAME).is_file():
+        return
+    longest = longest_block(str(data_dir), split)
+    if seq_len > longest:
+        raise ValueError(
+            f"data.seq_len={seq_len} is longer than any block the {split} split of {data_dir} holds: its largest chunk has "
+            f"{longest + 1} tokens, and a block (seq_len + 1 tokens) never spans chunks. Give --data.seq_len {longest} or less, "
+            "or prepare the data again with a larger --chunk_bytes (lit-mhar prepare)"
+        )
+
+
+def check_memory(config: Any) -> None:
+    """Refuses a fit whose training step cannot fit in the memory of its device (estimated,
+    :func:`lit_mhar.memory.training_bytes`), before any work; warns (stderr) where it may not.
+
+    On the CPU the estimate is the path that runs (eager, float32): more than the available RAM is
+    refused, more than 80 % of it gets a warning. On a GPU it is an upper bound (the fused kernels
+    and compiled models keep less): more than twice the device's free memory is refused, more than
+    its free memory gets a warning. Nothing is checked where the model or the device is not known yet.
+
+    Raises:
+        ValueError: naming the estimate, what is available and what to lower.
+    """
+    from lit_mhar.config import ModelConfig
+    from lit_mhar.data import MANIFEST_NAME
+    from lit_mhar.memory import available_bytes, training_bytes
+
+    seq_len, batch = config.get("data.seq_len"), config.get("data.batch_size")
+    data_dir = config.get("data.data_dir")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (seq_len, batch)):
+        return
+    manifest = Path(str(data_dir)) / MANIFEST_NAME if data_dir else None
+    vocab = json.loads(manifest.read_text()).get("vocab_size") if manifest is not None and manifest.is_file() else None
+    init = config.get("model.init_from")
+    try:
+        if init and Path(str(init)).is_file():
+            saved = load_checkpoint_file(str(init))["hyper_parameters"]["config"]
+            fields = saved if isinstance(saved, dict) else saved.to_dict()
+        else:
+            fields = _flat_dict(config.get("model.config"))
+        cfg = ModelConfig(**{**fields, "seq_len": seq_len, **({"vocab_size": vocab} if vocab else {})})
+    except (ValueError, TypeError, KeyError):
+        return  # an invalid model is refused by name where it is built
+    accelerator = str(config.get("trainer.accelerator") or "auto").lower()
+    gpu = accelerator in _GPU_ACCELERATORS or (accelerator == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", 0) if gpu and torch.cuda.is_available() else torch.device("cpu")
+    free = available_bytes(device)
+    if free is None:
+        return
+    precision = str(config.get("trainer.precision") or "")
+    needed = training_bytes(cfg, batch, mixed_precision="16" in precision, activation_checkpointing=bool(config.get("model.activation_checkpointing")))
+    refuse, warn = (free, 0.8 * free) if device.type == "cpu" else (2 * free, free)
+    if needed <= warn:
+        return
+    what = (
+        f"a training step of {batch} x {seq_len} tokens of this model ({cfg.name} {cfg.residual}, d={cfg.d_model}, L={cfg.n_layer}) "
+        f"needs about {needed / 2**30:.1f} GiB (estimated), and {'this GPU has' if device.type == 'cuda' else 'this machine has'} "
+        f"{free / 2**30:.1f} GiB free"
+    )
+    remedy = "lower --data.batch_size or --data.seq_len, or pass --model.activation_checkpointing true"
+    if needed > refuse:
+        raise ValueError(f"{what}: it would run out of memory; {remedy}")
+    print(f"[lit-mhar] warning: {what}; it may run out of memory ({remedy})", file=sys.stderr, flush=True)
+
+
+def _flat_dict(value: Any) -> dict:
+    """A jsonargparse namespace (or dict) of ModelConfig's fields as a plain dict."""
+    if value is None:
+        return {}
+    return dict(value.items()) if hasattr(value, "items") else dict(vars(value))
+
+
 def check_accumulate_grad_batches(value: Any) -> None:
     """Raises ValueError unless ``trainer.accumulate_grad_batches`` is unset or an integer >= 1
     (Lightning fails on 0 only inside its loop, after the data and the run exist). Used by the fit CLI
@@ -278,12 +405,55 @@ def check_checkpoint_dirpath(dirpath: Any) -> None:
         )
 
 
+_FIT_LOCKS: list[Optional[Any]] = []  # the checkpoint-folder locks fits in this process hold (run_lightning releases them)
+
+
+def lock_checkpoint_dirpath(dirpath: Any) -> Optional[Any]:
+    """Takes the lock of fit's ``--checkpoint.dirpath`` (a ``filelock.FileLock`` on the hidden file
+    ``.DIR.lock`` beside the folder) for the whole fit, so two fits started together into one
+    folder cannot both save there; then checks the folder again (:func:`check_checkpoint_dirpath`:
+    the other fit may have saved meanwhile). None for an unset or remote ``dirpath``. The lock is
+    the operating system's: it goes with a process that dies, however it dies.
+
+    Raises:
+        FileExistsError: another fit holds the lock, or the folder holds checkpoints.
+    """
+    if not dirpath or not isinstance(dirpath, (str, os.PathLike)) or "://" in os.fspath(dirpath):
+        return None
+    from filelock import FileLock, Timeout
+
+    folder = Path(os.fspath(dirpath)).absolute()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(folder.with_name(f".{folder.name}.lock")))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise FileExistsError(
+            f"checkpoint.dirpath={os.fspath(dirpath)!r} is in use: another lit-mhar fit is saving its checkpoints there "
+            f"now (it holds {lock.lock_file}). Give another folder, wait for that fit to end, or leave --checkpoint.dirpath "
+            f"unset (each run then saves under its own run folder, {CHECKPOINT_LAYOUT})"
+        ) from None
+    try:
+        check_checkpoint_dirpath(dirpath)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
 def _local_checkpoint(ckpt_path: Any) -> Optional[dict]:
-    """``--ckpt_path`` loaded (memory-mapped, tensors not read) where it names a local file; None
-    for none and for what Lightning resolves itself (``last``, ``best``, a remote path)."""
+    """``--ckpt_path`` loaded (memory-mapped) where it names a local file, its model weights checked
+    finite; None for none and for what Lightning resolves itself (``last``, ``best``, a remote path).
+
+    Raises:
+        UnreadableCheckpoint: (a ValueError) a truncated or damaged file, or not a checkpoint.
+        NonFiniteCheckpoint: (a ValueError) weights holding NaN or infinity (a fit that diverged).
+    """
     if not ckpt_path or not isinstance(ckpt_path, (str, os.PathLike)) or not Path(os.fspath(ckpt_path)).is_file():
         return None
-    return torch.load(os.fspath(ckpt_path), map_location="cpu", weights_only=False, mmap=True)
+    checkpoint = load_checkpoint_file(os.fspath(ckpt_path), weights_only=False)  # as Lightning reads it
+    check_finite_weights(checkpoint.get("state_dict") or {}, os.fspath(ckpt_path))
+    return checkpoint
 
 
 # What a resumed fit's data stream must share with the checkpoint's (the litdata loader's saved
@@ -381,6 +551,7 @@ class LitMharCLI(LightningCLI):
       prefixed ``validate-``, ``test-`` or ``predict-`` for those commands (MLflow's random names
       repeat under a fixed seed: ``seed_everything`` seeds them);
     * ``fit --checkpoint.dirpath`` holding checkpoints is refused (:func:`check_checkpoint_dirpath`),
+      as is one another fit is saving into now (:func:`lock_checkpoint_dirpath`: held until the fit ends),
       as is a ``trainer.max_steps`` or ``max_epochs`` of 0 or below -1 (:func:`check_trainer_limits`), and a
       resume whose data settings or ``max_steps`` cannot continue the checkpoint (:func:`check_resume`),
       and ``validate`` / ``test`` / ``predict`` without ``--ckpt_path`` print a note that they run a fresh model.
@@ -390,8 +561,11 @@ class LitMharCLI(LightningCLI):
         """LightningCLI's (a private hook: the one place where the parsed options and the
         checkpoint's both exist): with ``--ckpt_path`` the model's options come from the checkpoint's saved
         hyperparameters. A note on stderr names those of ``--config`` and the command line that this
-        replaced (the run's ``config.yaml`` records what ran)."""
+        replaced (the run's ``config.yaml`` records what ran). The checkpoint is read and checked
+        first (:func:`_local_checkpoint`): a truncated file or non-finite weights are one line."""
         sub = self.config.get("subcommand")
+        # read first: Lightning's own read of a truncated file is a traceback without its name
+        self._checkpoint = _local_checkpoint(self.config[sub].get("ckpt_path")) if sub else None
         before = self.config[sub].get("model") if sub else None
         before = before.clone() if hasattr(before, "clone") else before
         super()._parse_ckpt_path()
@@ -407,8 +581,14 @@ class LitMharCLI(LightningCLI):
             )
 
     def before_instantiate_classes(self) -> None:
+        self._check_before_work()
+        if self.subcommand == "fit":
+            config = self.config[self.subcommand]
+            # after the checks: a resumed fit's folder is known only once its run is found
+            _FIT_LOCKS.append(lock_checkpoint_dirpath(config.get("checkpoint.dirpath")))
+
+    def _check_before_work(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        resumed = None  # fit's --ckpt_path, read once (a local file)
         check_accelerator(config.get("trainer.accelerator"), config.get("trainer.devices"))
         check_ckpt_path(config.get("ckpt_path"))
         if config.get("model.compile") is not None:
@@ -420,9 +600,12 @@ class LitMharCLI(LightningCLI):
             check_cuda_graph(config)
             check_trainer_limits(config.get("trainer.max_steps", -1), config.get("trainer.max_epochs"))
             check_checkpoint_dirpath(config.get("checkpoint.dirpath"))
-            resumed = _local_checkpoint(config.get("ckpt_path"))
-            if resumed is not None:
-                check_resume(resumed, config, os.fspath(config["ckpt_path"]))
+        resumed = getattr(self, "_checkpoint", None)  # --ckpt_path, read and checked by _parse_ckpt_path
+        check_seq_len(config, self.subcommand, resumed)
+        if self.subcommand == "fit":
+            check_memory(config)
+        if self.subcommand == "fit" and resumed is not None:
+            check_resume(resumed, config, os.fspath(config["ckpt_path"]))
         elif self.subcommand in ("validate", "test", "predict") and not config.get("ckpt_path"):
             print(f"[lit-mhar] note: {self.subcommand} without --ckpt_path runs a freshly initialised model", file=sys.stderr, flush=True)
         init = _mlflow_init_args(config)
@@ -445,8 +628,6 @@ class LitMharCLI(LightningCLI):
     def _continue_run(self, config: Any, init: Any, checkpoint: dict) -> None:
         """Points the logger at the MLflow run of ``config.ckpt_path``, loaded as ``checkpoint`` (see
         the class docstring)."""
-        from lit_mhar.probe import absolute_tracking_uri
-
         ckpt = Path(str(config["ckpt_path"]))
         record = checkpoint.get("mlflow") or {}
         if not record.get("run_id"):
@@ -506,11 +687,51 @@ class LitMharCLI(LightningCLI):
             from lit_mhar.module import fsdp_strategy
 
             kwargs["strategy"] = fsdp_strategy()
-        if self.subcommand in ("validate", "test", "predict"):
-            # these save no checkpoint: the checkpoint callback's state, restored from --ckpt_path,
-            # is only kept, so its note that this run's folder is not the checkpoint's run's is noise
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if self.subcommand in ("validate", "test", "predict") or (self.subcommand == "fit" and config.get("ckpt_path")):
+            # validate & co. save no checkpoint, and a resumed fit saves into a folder of its own
+            # (resumed-*): the checkpoint callback's note that its folder is not the checkpoint's is noise
             warnings.filterwarnings("ignore", message="The dirpath has changed from", category=UserWarning)
-        return super().instantiate_trainer(**kwargs)
+        precision = str(config.get("trainer.precision") or "")
+        if "bf16" in precision or "16-mixed" in precision:
+            # under mixed precision the matmuls run in 16 bits: float32 matmul precision does not apply
+            _QUIET.add(_MATMUL_PRECISION_TIP)
+        trainer = super().instantiate_trainer(**kwargs)
+        # Lightning's default summary prints FLOPs as 0 for a module without an example input
+        for i, callback in enumerate(getattr(trainer, "callbacks", ())):
+            if type(callback) in (_LightningModelSummary, RichModelSummary):
+                trainer.callbacks[i] = ModelSummary(max_depth=callback._max_depth)
+        return trainer
+
+
+# Known, harmless output of Lightning and its dependencies at every fit, matched by message.
+_HARMLESS_WARNINGS = (
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's own call of a torch API
+    # litdata's StreamingDataset divides itself among loader workers, so its length holds for any number
+    r"Your `IterableDataset` has `__len__` defined",
+)
+_LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"  # an advertisement, at every fit
+_MATMUL_PRECISION_TIP = "torch.set_float32_matmul_precision"
+
+
+class _Quiet(logging.Filter):
+    """Drops the log records of Lightning's that hold one of a set of known, harmless messages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: set[str] = set()
+
+    def add(self, message: str) -> None:
+        self.messages.add(message)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not any(m in text for m in self.messages)
+
+
+_QUIET = _Quiet()
+# where Lightning's rank_zero_info records come from (Lightning's and Fabric's module of that name)
+_LIGHTNING_INFO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
 
 
 def saved_lines(trainer: L.Trainer) -> list[str]:
@@ -541,13 +762,28 @@ def run_lightning(args: Optional[list[str]] = None) -> LitMharCLI:
     ``args`` None reads ``sys.argv``. Raises :class:`lit_mhar.tracking.TrackingUnavailable` before
     any data or model work when the MLflow tracking server does not answer.
     """
-    with warnings.catch_warnings():
-        # explicit args are this function's purpose (tests, sweep trials), not a mistake to warn about
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended", category=UserWarning)
-        return LitMharCLI(
-            LitLM,
-            TokenDataModule,
-            save_config_callback=MLflowSaveConfig,
-            save_config_kwargs={"save_to_log_dir": False},
-            args=args,
-        )
+    held = len(_FIT_LOCKS)
+    _QUIET.messages = {_LITLOGGER_TIP}
+    loggers = [logging.getLogger(name) for name in _LIGHTNING_INFO_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(_QUIET)
+    try:
+        with warnings.catch_warnings():
+            # explicit args are this function's purpose (tests, sweep trials), not a mistake to warn about
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended", category=UserWarning)
+            for message in _HARMLESS_WARNINGS:
+                warnings.filterwarnings("ignore", message=message)
+            return LitMharCLI(
+                LitLM,
+                TokenDataModule,
+                save_config_callback=MLflowSaveConfig,
+                save_config_kwargs={"save_to_log_dir": False},
+                args=args,
+            )
+    finally:
+        for logger in loggers:
+            logger.removeFilter(_QUIET)
+        while len(_FIT_LOCKS) > held:  # this command's checkpoint-folder lock, however it ended
+            lock = _FIT_LOCKS.pop()
+            if lock is not None:
+                lock.release()

@@ -27,10 +27,9 @@ it has one. The source is only read.
 from __future__ import annotations
 
 import json
-import os
+import re
 import shutil
 import sys
-from dataclasses import fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
@@ -38,9 +37,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lit_mhar.outputs import check_output_dir, staged_directory
+from lit_mhar.checkpoint import read_checkpoint, tokenizer_candidates, write_checkpoint
 from lit_mhar.config import ModelConfig
 from lit_mhar.model import LM
+from lit_mhar.outputs import check_output_dir, staged_directory
 
 CHECKPOINT_NAME = "model.ckpt"
 FIT_CONFIG_NAME = "fit.yaml"
@@ -49,124 +49,17 @@ HF_INDEX_NAME = "model.safetensors.index.json"
 OUTPUT_NAMES = (CHECKPOINT_NAME, FIT_CONFIG_NAME, REPORT_NAME, "tokenizer.json")  # all convert writes
 # model_type -> the architectures (config.json "architectures") whose weights map onto lit-mhar's LM
 HF_ARCHITECTURES: dict[str, tuple[str, ...]] = {"llama": ("LlamaForCausalLM",), "qwen3": ("Qwen3ForCausalLM",)}
+# ModelConfig field -> the config.json key it comes from (for messages)
+HF_KEYS = {
+    "d_model": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads",
+    "ffn_dim": "intermediate_size", "rope_base": "rope_theta", "norm_eps": "rms_norm_eps",
+}  # fmt: skip
+HF_SILU = ("silu", "swish")  # transformers' names of one function, x * sigmoid(x)
+HF_DEFAULT_ROPE_THETA = 10000.0
 # Saved by some older Llama checkpoints; a buffer recomputed from rope_theta, not a weight.
 HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-LOGIT_TOLERANCE = 1e-5
-# ModelConfig fields an init_from run may change: RoPE is computed from seq_len, not stored, and
-# data tokenised with the source's tokenizer may use fewer ids than its (padded) embedding table.
-_FREE_FIELDS = ("name", "seq_len", "vocab_size", "init_std")
-
-
-# ----------------------------------------------------------------------------- lit-mhar checkpoints
-
-
-# Where a fit saves its checkpoints, as the errors about a missing one name it.
-CHECKPOINT_LAYOUT = "runs/<experiment id>/<run id>/checkpoints"
-
-
-class UnreadableCheckpoint(ValueError):
-    """A file ``torch.load`` cannot read at all (no torch checkpoint): :func:`read_checkpoint`'s error."""
-
-
-def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> tuple[ModelConfig, dict[str, Tensor], dict[str, Any]]:
-    """The model config, LM weights and the whole dict of a lit-mhar (:class:`LitLM`) checkpoint.
-
-    Reads with ``torch.load(weights_only=True, mmap=True)``: no code from the file runs and tensors
-    are paged in only when used. The config is ``hyper_parameters["config"]``, a dict (checkpoints
-    written by the CLI or ``convert``) or a :class:`ModelConfig` (a LitLM built in Python).
-
-    Returns:
-        ``(config, weights, checkpoint)``: weights are the ``LM`` state dict (the ``model.`` entries
-        of ``checkpoint["state_dict"]``, prefix removed).
-
-    Raises:
-        FileNotFoundError: no such file.
-        UnreadableCheckpoint: (a ValueError) the file is not a torch checkpoint.
-        ValueError: the file has no LitLM hyperparameter ``config`` or no
-            ``model.*`` weights, or the config has fields this version does not know.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(
-            f"checkpoint {str(path)!r} does not exist (or is not a file); give a lit-mhar checkpoint file "
-            f"({CHECKPOINT_LAYOUT}/last.ckpt)"
-        )
-    try:
-        with torch.serialization.safe_globals([ModelConfig]):
-            checkpoint = torch.load(p, map_location=map_location, weights_only=True, mmap=True)
-    except Exception as e:  # not a torch checkpoint (a YAML, a truncated file): RuntimeError, UnpicklingError, ...
-        raise UnreadableCheckpoint(
-            f"{p}: not a lit-mhar checkpoint (torch.load could not read it: {type(e).__name__}); give a lit-mhar "
-            f"checkpoint file ({CHECKPOINT_LAYOUT}/last.ckpt)"
-        ) from e
-    hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
-    config = (hparams or {}).get("config")
-    if config is None:
-        raise ValueError(f"{p}: not a lit-mhar checkpoint (no LitLM hyper_parameters['config'])")
-    if isinstance(config, dict):
-        known = {f.name for f in fields(ModelConfig)}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise ValueError(f"{p}: config has unknown ModelConfig field(s) {unknown}; valid: {sorted(known)}")
-        config = ModelConfig(**config)
-    elif not isinstance(config, ModelConfig):
-        raise ValueError(f"{p}: hyper_parameters['config'] is a {type(config).__name__}, expected a dict or ModelConfig")
-    weights = {k[len("model.") :]: v for k, v in checkpoint.get("state_dict", {}).items() if k.startswith("model.")}
-    if not weights:
-        raise ValueError(f"{p}: no model.* weights in state_dict")
-    return config, weights, checkpoint
-
-
-def resolve_init_config(config: ModelConfig, source: ModelConfig, path: str) -> ModelConfig:
-    """The config of a run started from checkpoint ``path`` whose config is ``source`` (see LitLM ``init_from``).
-
-    Every field but ``seq_len``, ``vocab_size`` (``config``'s may not exceed ``source``'s), ``name``
-    and ``init_std`` must agree; the result is ``source`` with ``config``'s ``seq_len``.
-
-    Raises:
-        ValueError: naming every field that differs, or a vocabulary larger than the checkpoint's.
-    """
-    if not isinstance(config, ModelConfig):
-        config = ModelConfig(**config)
-    differ = [
-        f"{f.name}: given {getattr(config, f.name)!r}, checkpoint {getattr(source, f.name)!r}"
-        for f in fields(ModelConfig)
-        if f.name not in _FREE_FIELDS and getattr(config, f.name) != getattr(source, f.name)
-    ]
-    if differ:
-        raise ValueError(
-            f"init_from={path!r}: model.config does not describe the checkpoint's model ({'; '.join(differ)}). "
-            f"Pass the checkpoint's config, e.g. --config {Path(path).parent / FIT_CONFIG_NAME} as written by lit-mhar convert"
-        )
-    if config.vocab_size > source.vocab_size:
-        raise ValueError(
-            f"init_from={path!r}: the data's vocabulary ({config.vocab_size} ids) is larger than the checkpoint's "
-            f"embedding table ({source.vocab_size}); tokenise the data with the source model's tokenizer"
-        )
-    return ModelConfig(**{**source.to_dict(), "seq_len": config.seq_len})
-
-
-def write_checkpoint(path: Path, config: ModelConfig, weights: dict[str, Tensor], hparams: dict[str, Any], extra: dict[str, Any]) -> None:
-    """Writes a step-0 Lightning checkpoint of :class:`LitLM` that ``LitLM.load_from_checkpoint``,
-    ``lit-mhar validate|test --ckpt_path`` and ``--model.init_from`` read.
-
-    ``weights`` is the LM's state dict, stored under LitLM's ``model.`` prefix. Hyperparameters hold the config as a dict and the
-    CLI's instantiator, as checkpoints written by ``lit-mhar fit`` do; no optimizer state (it is
-    not a run to resume).
-    """
-    import lightning
-
-    state = {f"model.{k}": v for k, v in weights.items()}
-    checkpoint = {
-        "epoch": 0,
-        "global_step": 0,
-        "pytorch-lightning_version": lightning.__version__,
-        "state_dict": state,
-        "hparams_name": "kwargs",
-        "hyper_parameters": {"config": config.to_dict(), **hparams, "_instantiator": "lightning.pytorch.cli.instantiate_module"},
-        **extra,
-    }
-    torch.save(checkpoint, path)
+LOGIT_TOLERANCE = 1e-5  # against lit-mhar's own prenorm LM: the same code, only the zero routing differs
+HF_LOGIT_TOLERANCE = 1e-3  # against transformers' forward: other kernels and order of float32 sums
 
 
 # ----------------------------------------------------------------------------- Hugging Face sources
@@ -184,13 +77,16 @@ def hf_model_config(hf: dict[str, Any], heads: int, block_size: int, seq_len: Op
 
     Maps hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads (default: the
     attention heads), head_dim (default hidden_size / heads), intermediate_size, vocab_size,
-    rms_norm_eps, rope_theta (or ``rope_parameters.rope_theta``), max_position_embeddings (the
-    default ``seq_len``); QK-norm for Qwen3, none for Llama.
+    rms_norm_eps, rope_theta (or ``rope_parameters.rope_theta``; default 10000, as transformers'),
+    max_position_embeddings (the default ``seq_len``); QK-norm for Qwen3, none for Llama.
+    ``hidden_act`` ``silu`` or ``swish`` (one function) and ``rope_scaling`` / ``rope_parameters``
+    of ``rope_type: default`` are the plain computation lit-mhar's LM does.
 
     Raises:
         ValueError: an architecture other than Llama / Qwen3, a missing key, or a feature lit-mhar's
-            LM does not compute (biases, an activation other than SiLU, RoPE scaling, sliding
-            window attention); the message names it.
+            LM does not compute (biases, another activation, RoPE scaling, sliding window
+            attention), or values lit-mhar's LM cannot take (num_key_value_heads not dividing
+            num_attention_heads, ...); the message names config.json's keys.
     """
     model_type = hf.get("model_type")
     archs = hf.get("architectures") or []
@@ -205,21 +101,20 @@ def hf_model_config(hf: dict[str, Any], heads: int, block_size: int, seq_len: Op
     if seq_len is None and hf.get("max_position_embeddings") is None:
         missing.append("max_position_embeddings (or pass seq_len)")
     rope = hf.get("rope_parameters") or {}
-    rope_theta = hf.get("rope_theta", rope.get("rope_theta"))
-    if rope_theta is None:
-        missing.append("rope_theta")
+    # transformers' default for Llama and Qwen3 when config.json leaves it out
+    rope_theta = hf.get("rope_theta", rope.get("rope_theta", HF_DEFAULT_ROPE_THETA))
     if missing:
         raise ValueError(f"{where}: missing {missing} (model_type={model_type!r})")
     unsupported = []
-    if hf.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"hidden_act={hf['hidden_act']!r} (lit-mhar's MLP is SwiGLU with SiLU)")
+    if hf.get("hidden_act", "silu") not in HF_SILU:
+        unsupported.append(f"hidden_act={hf['hidden_act']!r} (lit-mhar's MLP is SwiGLU with SiLU: {' or '.join(map(repr, HF_SILU))})")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             unsupported.append(f"{key}=true (lit-mhar's projections have no bias)")
-    scaling = hf.get("rope_scaling")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if scaling or rope_type != "default":
-        unsupported.append(f"rope_scaling={scaling or rope!r} (lit-mhar computes plain RoPE)")
+    # {"rope_type": "default"} (or "type") is plain RoPE as transformers computes it; any other kind scales it
+    for key, value in (("rope_scaling", hf.get("rope_scaling")), ("rope_parameters", rope)):
+        if value and (not isinstance(value, dict) or value.get("rope_type", value.get("type", "default")) != "default"):
+            unsupported.append(f"{key}={value!r} (lit-mhar computes plain RoPE: rope_type 'default')")
     if hf.get("use_sliding_window"):
         unsupported.append("use_sliding_window=true (lit-mhar attends over the whole causal context)")
     layer_types = set(hf.get("layer_types") or ["full_attention"])
@@ -227,23 +122,31 @@ def hf_model_config(hf: dict[str, Any], heads: int, block_size: int, seq_len: Op
         unsupported.append(f"layer_types={sorted(layer_types)} (only full_attention)")
     if unsupported:
         raise ValueError(f"{where}: model_type={model_type!r} uses what lit-mhar cannot compute: {'; '.join(unsupported)}")
-    n_head = int(hf["num_attention_heads"])
-    return ModelConfig(
-        residual="delta",
-        heads=heads,
-        block_size=block_size,
-        vocab_size=int(hf["vocab_size"]),
-        seq_len=int(seq_len if seq_len is not None else hf["max_position_embeddings"]),
-        d_model=int(hf["hidden_size"]),
-        n_layer=int(hf["num_hidden_layers"]),
+    def number(key: str, value: Any, kind: type) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise ValueError(f"{where}: {key}={value!r} must be {'an integer' if kind is int else 'a number'}")
+        return kind(value)
+
+    n_head = number("num_attention_heads", hf["num_attention_heads"], int)
+    fields_ = dict(
+        vocab_size=number("vocab_size", hf["vocab_size"], int),
+        seq_len=seq_len if seq_len is not None else number("max_position_embeddings", hf["max_position_embeddings"], int),
+        d_model=number("hidden_size", hf["hidden_size"], int),
+        n_layer=number("num_hidden_layers", hf["num_hidden_layers"], int),
         n_head=n_head,
-        n_kv_head=int(hf.get("num_key_value_heads") or n_head),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // n_head),
-        ffn_dim=int(hf["intermediate_size"]),
-        qk_norm=model_type == "qwen3",
-        rope_base=float(rope_theta),
-        norm_eps=float(hf["rms_norm_eps"]),
+        n_kv_head=number("num_key_value_heads", hf.get("num_key_value_heads") or n_head, int),
+        head_dim=number("head_dim", hf["head_dim"], int) if hf.get("head_dim") else None,
+        ffn_dim=number("intermediate_size", hf["intermediate_size"], int),
+        rope_base=number("rope_theta", rope_theta, float),
+        norm_eps=number("rms_norm_eps", hf["rms_norm_eps"], float),
     )
+    try:
+        return ModelConfig(residual="delta", heads=heads, block_size=block_size, qk_norm=model_type == "qwen3", **fields_)
+    except ValueError as e:
+        # ModelConfig names its own fields; the user wrote config.json's keys (seq_len is convert's own option)
+        keys = {**HF_KEYS, **({} if seq_len is not None else {"seq_len": "max_position_embeddings"})}
+        message = re.sub(r"\b(" + "|".join(keys) + r")\b", lambda m: keys[m.group(1)], str(e).removeprefix("ModelConfig."))
+        raise ValueError(f"{where}: {message}") from None
 
 
 def hf_tensor_names(cfg: ModelConfig, tied: bool) -> dict[str, str]:
@@ -349,14 +252,49 @@ def _check_output(output: Path, source: Path, overwrite: bool) -> None:
     check_output_dir(output, overwrite, OUTPUT_NAMES, "convert")
 
 
+def _check_ids(cfg: ModelConfig, tokens: int, seed: int = 0) -> Tensor:
+    """The random token ids ``[2, tokens]`` (int64) the logit checks run on."""
+    return torch.randint(0, cfg.vocab_size, (2, min(tokens, cfg.seq_len)), generator=torch.Generator().manual_seed(seed))
+
+
 def _verify(source_lm: LM, converted: LM, tokens: int, seed: int = 0) -> float:
-    """max |logits(converted) - logits(source)| on random token ids ``[2, tokens]`` (float32)."""
-    cfg = converted.cfg
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, cfg.vocab_size, (2, min(tokens, cfg.seq_len)), generator=g)
+    """max |logits(converted) - logits(source_lm)| on :func:`_check_ids` (float32): the converted
+    model against lit-mhar's own prenorm LM holding the source's weights."""
+    idx = _check_ids(converted.cfg, tokens, seed)
     source_lm.eval(), converted.eval()
     with torch.no_grad():
         return (converted(idx) - source_lm(idx)).abs().max().item()
+
+
+def _verify_with_transformers(directory: Path, hf: dict[str, Any], converted: LM, tokens: int, seed: int = 0) -> dict[str, Any]:
+    """The converted model's logits against the Hugging Face source's own forward in ``transformers``
+    (float32, on :func:`_check_ids`), where ``transformers`` is installed.
+
+    Returns:
+        ``{"against", "max_abs_diff", "tolerance"}``, or ``{"against": None, "skipped": why}``
+        without ``transformers`` or with an architecture it does not have.
+    """
+    try:
+        import transformers
+    except ImportError:
+        return {"against": None, "skipped": "transformers is not installed"}
+    arch = (hf.get("architectures") or HF_ARCHITECTURES[hf["model_type"]])[0]
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its notes on a folder without generation_config.json
+    try:
+        cls = getattr(transformers, arch, None)  # imports the model's module: it may fail to import
+        if cls is None:
+            return {"against": None, "skipped": f"transformers {transformers.__version__} has no {arch}"}
+        dtype = {"dtype": torch.float32} if int(transformers.__version__.split(".")[0]) >= 5 else {"torch_dtype": torch.float32}
+        source = cls.from_pretrained(str(directory), local_files_only=True, attn_implementation="eager", **dtype).eval()
+    except ImportError as e:  # a broken install, or a folder named like one of its dependencies on sys.path
+        return {"against": None, "skipped": f"transformers {transformers.__version__} could not load {arch} ({e})"}
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    idx = _check_ids(converted.cfg, tokens, seed)
+    with torch.no_grad():
+        diff = (converted.eval()(idx) - source(input_ids=idx).logits.float()).abs().max().item()
+    return {"against": f"transformers {transformers.__version__} {arch}", "max_abs_diff": diff, "tolerance": HF_LOGIT_TOLERANCE}
 
 
 def convert(
@@ -390,9 +328,11 @@ def convert(
         lr: Backbone peak learning rate stored for continued training (Delta AttnRes fine-tuning:
             5e-5).
         routing_lr_multiplier: Routing parameters train at ``lr`` times this (the paper: ~100x).
-        verify_tokens: Tokens per sequence of the built-in check (2 random sequences): the
-            converted model's logits against the source model's (prenorm, same weights); the
-            conversion fails if they differ by more than 1e-5. 0 skips it.
+        verify_tokens: Tokens per sequence of the built-in checks (2 random sequences): the
+            converted model's logits against lit-mhar's own prenorm model holding the source's
+            weights (the conversion fails if they differ by more than 1e-5), and, for a Hugging
+            Face source where ``transformers`` is installed, against the source model's own
+            forward in ``transformers`` (fails above 1e-3). 0 skips both.
         overwrite: Replace an existing non-empty ``output_dir``.
 
     Returns:
@@ -404,7 +344,7 @@ def convert(
         ValueError: a source that is not prenorm, an unsupported architecture, missing or unknown
             tensors, shapes that do not match, bad ``heads`` / ``block_size``; checked before any
             output is written.
-        RuntimeError: the logit check failed.
+        RuntimeError: a logit check failed (nothing is written).
     """
     src, out = Path(source).expanduser(), Path(output_dir).expanduser()
     if not src.exists():
@@ -429,8 +369,6 @@ def convert(
         report.update(format=f"hf-{hf['model_type']}", source_config=hf, tied_embeddings=tied, tensor_map=names, source_dtypes=dtypes)
         tokenizers = [src / "tokenizer.json"]
     else:
-        from lit_mhar.generate import tokenizer_candidates  # generate imports this module
-
         source_cfg, weights, checkpoint = read_checkpoint(src)
         tokenizers = tokenizer_candidates(src, checkpoint)  # beside it, or its training data's
         if source_cfg.residual != "prenorm":
@@ -460,8 +398,19 @@ def convert(
         site.reset_parameters()  # zero queries and gates, unit key gains: identity at step 0
     diff = _verify(source_lm, converted, verify_tokens) if verify_tokens else None
     if diff is not None and not diff <= LOGIT_TOLERANCE:
-        raise RuntimeError(f"converted logits differ from the source's by {diff:.3g} > {LOGIT_TOLERANCE}; nothing written")
+        raise RuntimeError(
+            f"converted logits differ from lit-mhar's prenorm model with the source's weights by {diff:.3g} > {LOGIT_TOLERANCE}; nothing written"
+        )
     del source_lm
+    source_check = None
+    if src.is_dir() and verify_tokens:
+        source_check = _verify_with_transformers(src, hf, converted, verify_tokens)
+        if source_check.get("against") and not source_check["max_abs_diff"] <= HF_LOGIT_TOLERANCE:
+            raise RuntimeError(
+                f"converted logits differ from the source model's own forward ({source_check['against']}) by "
+                f"{source_check['max_abs_diff']:.3g} > {HF_LOGIT_TOLERANCE}: {src / 'config.json'} asks for something lit-mhar's "
+                "LM does not compute; nothing written"
+            )
 
     import lightning
     import yaml
@@ -471,7 +420,11 @@ def convert(
     with staged_directory(out, before_replace=lambda: check_output_dir(out, overwrite, OUTPUT_NAMES, "convert")) as tmp:
         report.update(
             output_config=cfg.to_dict(),
-            logit_check={"max_abs_diff": diff, "tolerance": LOGIT_TOLERANCE, "tokens": verify_tokens, "sequences": 2, "dtype": "float32"},
+            logit_check={
+                "against": "lit-mhar's prenorm LM with the source's weights", "max_abs_diff": diff, "tolerance": LOGIT_TOLERANCE,
+                "tokens": verify_tokens, "sequences": 2, "dtype": "float32",
+            },
+            source_check=source_check,
             lr=lr,
             routing_lr_multiplier=routing_lr_multiplier,
             versions={"lit_mhar": __version__, "torch": torch.__version__, "lightning": lightning.__version__, "python": sys.version.split()[0]},
@@ -501,8 +454,16 @@ def convert(
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
         report["tokenizer"] = str(tokenizer.resolve()) if tokenizer is not None else None
         (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
-    print(
-        f"[lit-mhar convert] {report['format']} {src} -> {out} (delta, heads={cfg.heads}, block_size={cfg.block_size}); "
-        f"max |logit difference| on random input: {diff if diff is not None else 'not checked'}"
-    )
+    if diff is None:
+        checked = "logits not checked (verify_tokens=0)"
+    else:
+        checked = f"logits checked on random ids against lit-mhar's prenorm model with the same weights: max |difference| {diff:.3g}"
+        if source_check is None:
+            checked += " (the source is that model)"
+        elif source_check.get("against"):
+            checked += f"; against the source's own forward in {source_check['against']}: {source_check['max_abs_diff']:.3g}"
+        else:
+            hint = ": pip install transformers to check that too" if "not installed" in source_check["skipped"] else ""
+            checked += f"; not against the source's own forward ({source_check['skipped']}{hint})"
+    print(f"[lit-mhar convert] {report['format']} {src} -> {out} (delta, heads={cfg.heads}, block_size={cfg.block_size}); {checked}")
     return out

@@ -55,6 +55,7 @@ os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")  # offline: older li
 import numpy as np  # noqa: E402
 
 from lit_mhar.outputs import check_output_dir, staged_directory  # noqa: E402
+from lit_mhar.processes import forked_children_die_with_parent  # noqa: E402
 
 __all__ = ["EOS_TOKEN", "MANIFEST_NAME", "TOKENIZER_NAME", "SOURCES", "data_digest", "prepare"]
 
@@ -383,7 +384,8 @@ def _map(fn: Callable[[Any], Any], items: list[Any], workers: int, sizes: Option
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         method = "fork" if sys.platform == "linux" else "spawn"
         try:
-            with multiprocessing.get_context(method).Pool(min(workers, len(items))) as pool:
+            # the workers die with this process, however it ends (their output is a staging folder)
+            with forked_children_die_with_parent(), multiprocessing.get_context(method).Pool(min(workers, len(items))) as pool:
                 for i, result in enumerate(pool.imap(fn, items, chunksize=1)):
                     yield result
                     if bar is not None:

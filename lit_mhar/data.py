@@ -87,6 +87,13 @@ def _rebuild_hint(data_dir: Path, manifest: dict[str, Any]) -> str:
     return f"rebuild it: lit-mhar prepare --output_dir {data_dir} --source {manifest.get('source', 'stdlib')} --overwrite true"
 
 
+def longest_block(data_dir: str | os.PathLike, split: str) -> int:
+    """The longest ``seq_len`` the ``split`` of the dataset at ``data_dir`` can serve: the tokens of
+    its largest chunk, minus 1 (a block is ``seq_len + 1`` tokens and never spans chunks)."""
+    chunks = json.loads((Path(data_dir) / split / "index.json").read_text())["chunks"]
+    return max((int(c["dim"]) for c in chunks), default=0) - 1
+
+
 def check_chunks(data_dir: str | os.PathLike, manifest: Optional[dict[str, Any]] = None) -> None:
     """Checks that every chunk each split's ``index.json`` lists exists with the size it records (cheap: no reading).
 

@@ -115,9 +115,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
-        # QK-RMSNorm (Qwen3); Llama-style attention has none (cfg.qk_norm = False)
-        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        # QK-RMSNorm (Qwen3); Llama-style attention has none (cfg.qk_norm = False). RMSNorm, not
+        # nn.RMSNorm: under bf16 autocast the projections are bf16 and the gains float32, which
+        # nn.RMSNorm can only compute on its slow unfused path (with a warning at every call).
+        self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Optional[LayerCache] = None) -> Tensor:
         B, T, _ = x.shape

@@ -181,7 +181,8 @@ class LitLM(L.LightningModule):
     ``val/loss`` (the validation loss, nats per token), ``perf/tokens_per_s``,
     ``perf/mfu`` (on GPUs with a known peak; FLOPs from :meth:`LM.flops_per_token`),
     ``perf/peak_memory_gb`` (``torch.cuda.max_memory_allocated``) and, every
-    ``routing_log_every_n_steps`` steps, ``routing/site_XX/max_weight`` and ``.../entropy``.
+    ``routing_log_every_n_steps`` steps (at those steps only), ``routing/site_XX/max_weight`` and
+    ``.../entropy``.
 
     Args:
         config: the model: preset name, residual variant, heads H, block size S and overrides.
@@ -273,7 +274,7 @@ class LitLM(L.LightningModule):
         self._cuda_graph = cuda_graph
         weights = None
         if init_from is not None:
-            from lit_mhar.convert import read_checkpoint, resolve_init_config
+            from lit_mhar.checkpoint import read_checkpoint, resolve_init_config
 
             source_config, weights, _ = read_checkpoint(init_from)
             config = resolve_init_config(config, source_config, init_from)
@@ -365,6 +366,12 @@ class LitLM(L.LightningModule):
         if self.config.routed and every and self.global_step % every == 0:
             self._log_routing(batch[:, :-1])
         return loss
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        # a fit stops at the first non-finite loss or gradient norm and never saves NaN weights
+        from lit_mhar.callbacks import StopOnNonFinite
+
+        return [StopOnNonFinite()]
 
     def on_fit_start(self) -> None:
         # The hyperparameters hold the config as given (a preset name, overrides, None for preset
@@ -465,12 +472,16 @@ class LitLM(L.LightningModule):
 
     @torch.no_grad()
     def _log_routing(self, inputs: Tensor) -> None:
-        """Max routing weight and entropy (nats) per routing site, on the current batch."""
+        """Max routing weight and entropy (nats) per routing site, on the current batch, logged at
+        this step only: given to self.log, Lightning would log the value again at every later
+        logging step until the next one is computed."""
+        stats: dict[str, Tensor] = {}
         _, weights = self.model(inputs, return_routing=True)
         for site, w in enumerate(weights):
-            max_weight, entropy = routing_stats(w)
-            self.log(f"routing/site_{site:02d}/max_weight", max_weight)
-            self.log(f"routing/site_{site:02d}/entropy", entropy)
+            stats[f"routing/site_{site:02d}/max_weight"], stats[f"routing/site_{site:02d}/entropy"] = routing_stats(w)
+        values = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one read from the device
+        for logger in self.loggers:  # they write on rank 0 only; steps numbered as train/loss's
+            logger.log_metrics(values, step=self.global_step)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.hparams.get("init_from") is not None:
@@ -483,7 +494,7 @@ class LitLM(L.LightningModule):
         # (lit_mhar.tracking.MLFlowLogger) lost the server before this checkpoint.
         from lightning.pytorch.loggers import MLFlowLogger
 
-        from lit_mhar.probe import absolute_tracking_uri
+        from lit_mhar.tracking import absolute_tracking_uri
 
         # Only global rank 0 writes checkpoint files, and only there is the logger's experiment (the
         # MLflow client) real: on the other ranks Lightning replaces it by a no-op.

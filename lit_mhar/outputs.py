@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Collection, Iterator, Optional
 
@@ -41,6 +43,42 @@ def check_output_dir(out: Path, overwrite: bool, owned: Collection[str], command
         )
 
 
+_STAGING_LOCK = ".staging.lock"  # held inside a staging folder while its run builds it
+_STAGING_GRACE_S = 60  # a staging folder without its lock yet is this young at most
+
+
+def remove_abandoned_staging(out: Path) -> list[Path]:
+    """Removes the staging folders of ``out`` (``.NAME.tmp-*`` beside it) that a killed run left.
+
+    A run holds a lock (``filelock``) inside its staging folder while it builds it; the operating
+    system frees the lock when that process dies, however it dies. A folder whose lock is free is
+    abandoned; one whose lock is held belongs to a run in progress and is left alone. Each removal
+    is said on stderr.
+
+    Returns:
+        The folders removed.
+    """
+    from filelock import FileLock, Timeout
+
+    removed = []
+    for tmp in sorted(out.parent.glob(f".{out.name}.tmp-*")):
+        lock_file = tmp / _STAGING_LOCK
+        if not tmp.is_dir() or (not lock_file.exists() and time.time() - tmp.stat().st_mtime < _STAGING_GRACE_S):
+            continue  # (just created: its lock comes next)
+        lock = FileLock(str(lock_file))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            continue
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            lock.release()
+        removed.append(tmp)
+        print(f"[lit-mhar] removed {tmp}: the unfinished folder of an earlier run into {out} that was killed", file=sys.stderr, flush=True)
+    return removed
+
+
 @contextlib.contextmanager
 def staged_directory(out: Path, before_replace: Optional[Callable[[], None]] = None) -> Iterator[Path]:
     """Build a folder in a hidden sibling of ``out`` and move it to ``out`` when the block succeeds.
@@ -49,15 +87,23 @@ def staged_directory(out: Path, before_replace: Optional[Callable[[], None]] = N
     was. On success an existing ``out`` is replaced: it is renamed aside first and deleted only
     after the new folder is in place. Whether replacing is allowed is the caller's decision, made
     before any work; ``before_replace`` runs just before an existing ``out`` is replaced, to check
-    again (it may raise to keep ``out``).
+    again (it may raise to keep ``out``). Staging folders of ``out`` that killed runs left are
+    removed first (:func:`remove_abandoned_staging`).
 
     Yields:
-        The staging folder (empty, on the same file system as ``out``).
+        The staging folder (empty but for its hidden lock file, on the same file system as ``out``).
     """
+    from filelock import FileLock
+
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_staging(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    lock = FileLock(str(tmp / _STAGING_LOCK))
+    lock.acquire()
     try:
         yield tmp
+        lock.release()
+        (tmp / _STAGING_LOCK).unlink(missing_ok=True)
         old = None
         if out.exists():
             if before_replace is not None:
@@ -67,6 +113,7 @@ def staged_directory(out: Path, before_replace: Optional[Callable[[], None]] = N
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        lock.release()
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -34,8 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lit_mhar.outputs import check_output_dir, staged_directory
 from lit_mhar.config import ModelConfig
+from lit_mhar.outputs import check_output_dir, staged_directory
+from lit_mhar.tracking import absolute_tracking_uri
+from lit_mhar.tracking import tracking_uri as default_tracking_uri
 
 PROBE_JSON = "probe.json"
 OUTPUT_NAMES = (PROBE_JSON, "mixing.png", "depth.png", "heads.png")  # all probe writes
@@ -43,18 +45,6 @@ _CKPT_IN_RUN = re.compile(r"(?P<experiment_id>[^/]+)/(?P<run_id>[0-9a-f]{32})/ch
 
 
 # ----------------------------------------------------------------------------- MLflow run of a checkpoint
-
-
-def absolute_tracking_uri(uri: str) -> str:
-    """``uri`` with a relative sqlite / file / plain path made absolute (from the working directory),
-    so a checkpoint's record of its MLflow store stays valid from any directory."""
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + str(Path(uri[len("sqlite:///") :]).absolute())
-    if uri.startswith("file:") and not uri.startswith("file:/"):
-        return "file:" + str(Path(uri[len("file:") :]).absolute())
-    if "://" not in uri and not uri.startswith("file:"):
-        return str(Path(uri).absolute())
-    return uri
 
 
 def _local_store_missing(uri: str) -> bool:
@@ -77,8 +67,6 @@ def find_mlflow_run(
     with the tracking URI given, else ``MLFLOW_TRACKING_URI``, else the CLI's ``sqlite:///mlflow.db``
     (used only if that store holds the run in that experiment). ``how`` says which.
     """
-    from lit_mhar.cli.lightning import tracking_uri as default_tracking_uri
-
     if run_id is not None:
         record = checkpoint.get("mlflow") or {}
         return absolute_tracking_uri(tracking_uri or record.get("tracking_uri") or default_tracking_uri()), run_id, "given"
@@ -316,7 +304,7 @@ def _check_data_dir(data_dir: str, ckpt_path: Path, checkpoint: dict[str, Any]) 
     ids must mean what the model learnt).
     """
     from lit_mhar.data import MANIFEST_NAME
-    from lit_mhar.generate import tokenizer_candidates
+    from lit_mhar.checkpoint import tokenizer_candidates
 
     path = Path(data_dir).expanduser()
     if (path / MANIFEST_NAME).is_file():
@@ -395,7 +383,7 @@ def probe(
         FileNotFoundError: no checkpoint or dataset at the paths given (the message names the path
             and the dataset to pass or how to prepare one).
     """
-    from lit_mhar.convert import read_checkpoint
+    from lit_mhar.checkpoint import read_checkpoint
     from lit_mhar.data import TokenDataModule, read_manifest
     from lit_mhar.model import LM
 

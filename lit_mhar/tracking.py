@@ -37,6 +37,88 @@ from lightning.pytorch.loggers import MLFlowLogger as _LightningMLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+def tracking_uri() -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else a local sqlite store ``./mlflow.db``."""
+    return os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
+
+
+def absolute_tracking_uri(uri: str) -> str:
+    """``uri`` with a relative sqlite / file / plain path made absolute (from the working directory),
+    so a checkpoint's record of its MLflow store stays valid from any directory."""
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + str(Path(uri[len("sqlite:///") :]).absolute())
+    if uri.startswith("file:") and not uri.startswith("file:/"):
+        return "file:" + str(Path(uri[len("file:") :]).absolute())
+    if "://" not in uri and not uri.startswith("file:"):
+        return str(Path(uri).absolute())
+    return uri
+
+
+# The MLflow UI (3.x) opens an experiment by its kind: without this tag it guesses and may open
+# the GenAI overview instead of the training runs.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
+def tag_experiment(client: Any, experiment_id: str) -> None:
+    """Marks the experiment as model training (:data:`EXPERIMENT_KIND`) unless it has a kind already."""
+    key, value = EXPERIMENT_KIND
+    if key not in client.get_experiment(experiment_id).tags:
+        client.set_experiment_tag(experiment_id, key, value)
+
+
+def log_dataset_inputs(client: Any, run_id: str, data_dir: str | os.PathLike, manifest: Mapping[str, Any], splits: Mapping[str, str]) -> None:
+    """Logs a prepared dataset's splits as the run's MLflow dataset inputs (the runs table's Dataset column).
+
+    Each split is a dataset ``<folder>/<split>`` whose source is the dataset folder, whose digest
+    is that of its ``manifest.json`` (so two runs trained on the same prepared data show the same
+    digest) and whose profile holds the split's tokens, documents and chunks and the vocabulary.
+
+    Args:
+        client: an ``mlflow.MlflowClient``.
+        run_id: the run.
+        data_dir: the dataset folder (``lit-mhar prepare``'s output).
+        manifest: its ``manifest.json``.
+        splits: split -> MLflow's dataset context (``{"train": "training", "val": "evaluation"}``).
+    """
+    import hashlib
+    import json
+    import warnings
+
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    folder = Path(data_dir).absolute()
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:12]
+    with warnings.catch_warnings():
+        # a local folder reads as two local sources alike; either is this folder
+        warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple ways")
+        source = resolve_dataset_source(str(folder))
+
+    class TokenDataset(MetaDataset):
+        def __init__(self, name: str, profile: dict[str, Any]) -> None:
+            super().__init__(source, name=name, digest=digest)
+            self._profile = profile
+
+        @property
+        def profile(self) -> dict[str, Any]:
+            return self._profile
+
+        def to_dict(self) -> dict[str, str]:
+            return {**super().to_dict(), "profile": json.dumps(self._profile)}
+
+    inputs = []
+    for split, context in splits.items():
+        counts = (manifest.get("splits") or {}).get(split) or {}
+        profile = {k: counts.get(k) for k in ("tokens", "documents", "chunks")} | {"vocab_size": manifest.get("vocab_size"), "source": manifest.get("source")}
+        dataset = TokenDataset(f"{folder.name}/{split}", profile)
+        inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]))
+    client.log_inputs(run_id, datasets=inputs)
+
+
 class TrackingUnavailable(RuntimeError):
     """The MLflow tracking server cannot be used; the message names the URI, the error and what to do."""
 
@@ -91,6 +173,11 @@ class MLFlowLogger(_LightningMLFlowLogger):
     value differs are not sent (MLflow refuses to change a param; the run's later ``config.yaml``
     artifact has the new values), and a note names them.
 
+    Args:
+        log_system_metrics: Also log the machine's CPU, memory, disk and network use and, with
+            ``nvidia-ml-py`` installed, every GPU's utilisation and memory (MLflow's system metrics,
+            ``system/*``, every 10 s) while the command runs. Needs ``psutil``.
+
     Attributes:
         tracking_lost: None while tracking works; after a failure ``{"step", "time" (UTC ISO 8601),
             "error", "tracking_uri", "run_id"}``, JSON-serialisable.
@@ -101,10 +188,18 @@ class MLFlowLogger(_LightningMLFlowLogger):
 
     Raises:
         TrackingUnavailable: from ``__init__``, on rank 0, when an ``http(s)://`` server does not answer.
+        ValueError: ``log_system_metrics`` without ``psutil`` installed.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, log_system_metrics: bool = False, **kwargs: Any) -> None:
+        if log_system_metrics:
+            import importlib.util
+
+            if importlib.util.find_spec("psutil") is None:
+                raise ValueError("log_system_metrics=True needs psutil: pip install psutil (and nvidia-ml-py for GPU metrics)")
         super().__init__(*args, **kwargs)
+        self.log_system_metrics = log_system_metrics
+        self._system_metrics: Any = None
         self.tracking_lost: Optional[dict[str, Any]] = None
         self.untracked_dir: Optional[Path] = None
         self.untracked_metrics: list[tuple[int, str, float]] = []
@@ -113,6 +208,16 @@ class MLFlowLogger(_LightningMLFlowLogger):
         self._existing_run = self._run_id is not None
         if rank_zero_only.rank == 0:  # only rank 0 talks to the server
             check_tracking_uri(self._tracking_uri)
+
+    @rank_zero_only
+    def start_system_metrics(self) -> None:
+        """Starts logging MLflow's system metrics into this logger's run, if ``log_system_metrics``
+        (once; :meth:`finalize` stops it)."""
+        if self.log_system_metrics and self._system_metrics is None and self.tracking_lost is None:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._system_metrics = SystemMetricsMonitor(self.run_id, resume_logging=self._existing_run, tracking_uri=self._tracking_uri)
+            self._system_metrics.start()
 
     def _untracked_path(self) -> Optional[Path]:
         return None if self.untracked_dir is None else Path(self.untracked_dir) / "untracked_metrics.csv"
@@ -198,6 +303,12 @@ class MLFlowLogger(_LightningMLFlowLogger):
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:
+        if self._system_metrics is not None:
+            monitor, self._system_metrics = self._system_metrics, None
+            try:
+                monitor.finish()  # its last samples, before the run is closed
+            except Exception as e:  # noqa: BLE001 - system metrics never fail a run
+                print(f"[lit-mhar] note: MLflow system metrics stopped with an error ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         if self.tracking_lost is None:
             try:
                 return super().finalize(status)

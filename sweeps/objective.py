@@ -4,6 +4,7 @@ and turns the run's metrics into the trial's value (or a FAIL / PRUNED state wit
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -17,6 +18,7 @@ from typing import Any, Optional
 
 import yaml
 
+from lit_mhar.processes import RUNNER_DIED, die_with_parent
 from lit_mhar.sweeps.fitconfig import flops_per_token, model_fields, resolve_fit_config
 from lit_mhar.sweeps.mlflow_runs import _client, _close_child
 from lit_mhar.sweeps.space import (
@@ -274,8 +276,10 @@ class SweepObjective:
         result = trial_dir / "result.json"
         command = [sys.executable, "-m", "lit_mhar.sweeps.trial", "--config", str(trial_dir / "trial.yaml"), "--result", str(result)]
         with open(trial_dir / "trial.log", "wb") as log:
-            # Own session: a Ctrl-C in the terminal reaches the runner, which stops the trial itself.
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            # Own session: a Ctrl-C in the terminal reaches the runner, which stops the trial itself;
+            # the kernel signals the trial when the runner dies, however it dies (kill -9 included)
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=functools.partial(die_with_parent, RUNNER_DIED, os.getpid()))
             try:
                 code = proc.wait(timeout=ctx.trial_timeout)
             except subprocess.TimeoutExpired:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
+
+from lit_mhar.processes import RUNNER_DIED
 
 
 class OptunaPruning(L.Callback):
@@ -37,7 +40,8 @@ class OptunaPruning(L.Callback):
     ``trainer.should_stop``; the runner then records the trial as PRUNED.
 
     The callback also stops the fit if the runner that started this process has died (the parent
-    pid changed), so a killed sweep leaves no orphaned training behind.
+    pid changed), so a killed sweep leaves no orphaned training behind. (On Linux the runner also
+    asks the kernel to send the trial :data:`lit_mhar.processes.RUNNER_DIED` when it dies: the trial stops at once.)
 
     Args:
         storage: Optuna storage URL (``sqlite:///...``, ``postgresql://...``) or ``journal:PATH``.
@@ -134,7 +138,19 @@ def run_trial(config: str, result: str) -> int:
 
     outcome: dict[str, Any] = {"status": "error", "error": None, "oom": False, "pruned_at": None, "global_step": None}
     code = 1
+    parent = os.getppid()
     sys.argv = sys.argv[:1]  # LightningCLI takes the args below, not this module's own
+    stopped_by: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        # the runner's SIGTERM (a timeout, Ctrl-C) or the kernel's RUNNER_DIED: end now, from any
+        # phase, and still write the result. (Lightning adds its own SIGTERM handler before this
+        # one, and on a KeyboardInterrupt stops the processes it launched.)
+        stopped_by.append(signum)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(RUNNER_DIED, stop)
     try:
         cli = run_lightning(["fit", "--config", config])
         pruning = next((c for c in cli.trainer.callbacks if isinstance(c, OptunaPruning)), None)
@@ -142,23 +158,42 @@ def run_trial(config: str, result: str) -> int:
                        startup_s=pruning and pruning.startup_s)
         code = 0
         if pruning is not None and pruning.orphaned:  # the runner died: this run is not a result
-            outcome.update(status="error", error="stopped: the sweep runner that started this trial died")
-            logger = cli.trainer.logger
-            if logger is not None and hasattr(logger, "run_id") and hasattr(logger, "experiment"):
-                logger.experiment.set_tag(logger.run_id, "optuna.trial_state", "FAIL")
-                logger.experiment.set_terminated(logger.run_id, "KILLED")
-            code = 3
-    except SystemExit as e:  # jsonargparse reports bad arguments by exiting
-        if e.code in (0, None):
-            outcome.update(status="ok")
-            code = 0
-        else:
-            outcome["error"] = f"the fit arguments were rejected (exit {e.code}); see the trial log"
+            code = _orphaned(outcome, config)
     except BaseException as e:  # noqa: BLE001 - every failure is the trial's result
-        outcome.update(error=f"{type(e).__name__}: {e}"[:2000], oom=_is_oom(e), traceback=traceback.format_exc()[-4000:])
-        traceback.print_exc()
+        # (the parent pid alone does not tell: when the runner is killed, its threads die one by
+        # one, and the kernel may signal this process before it gives it a new parent)
+        if RUNNER_DIED in stopped_by or os.getppid() != parent:
+            code = _orphaned(outcome, config)
+        elif stopped_by:
+            outcome["error"] = "stopped by SIGTERM (from the sweep runner)"
+        elif isinstance(e, SystemExit):  # jsonargparse reports bad arguments by exiting
+            if e.code in (0, None):
+                outcome.update(status="ok")
+                code = 0
+            else:
+                outcome["error"] = f"the fit arguments were rejected (exit {e.code}); see the trial log"
+        else:
+            outcome.update(error=f"{type(e).__name__}: {e}"[:2000], oom=_is_oom(e), traceback=traceback.format_exc()[-4000:])
+            traceback.print_exc()
     Path(result).write_text(json.dumps(outcome, indent=2) + "\n")
     return code
+
+
+def _orphaned(outcome: dict[str, Any], config: str) -> int:
+    """Records a trial whose runner died as not a result, closes its MLflow run as KILLED (the run id
+    and store of the trial's config), and returns the exit status 3."""
+    import yaml
+
+    outcome.update(status="error", error="stopped: the sweep runner that started this trial died")
+    logger = ((yaml.safe_load(Path(config).read_text()) or {}).get("trainer") or {}).get("logger") or {}
+    init = (logger.get("init_args") or {}) if isinstance(logger, dict) else {}
+    if init.get("run_id") and init.get("tracking_uri"):
+        import mlflow
+
+        client = mlflow.MlflowClient(tracking_uri=init["tracking_uri"])
+        client.set_tag(init["run_id"], "optuna.trial_state", "FAIL")
+        client.set_terminated(init["run_id"], "KILLED")
+    return 3
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -7,6 +7,7 @@ import signal
 import sys
 from typing import Any
 
+from lit_mhar.processes import die_with_parent
 from lit_mhar.sweeps.mlflow_runs import _close_child
 from lit_mhar.sweeps.objective import Context, SweepObjective, _counted, _covering
 from lit_mhar.sweeps.space import point_key
@@ -94,6 +95,9 @@ def _work(ctx: Context) -> None:
 
 
 def _work_in_process(ctx: Context) -> None:
+    import multiprocessing
+
+    die_with_parent(signal.SIGTERM, multiprocessing.parent_process().pid)  # a killed `sweep run` takes its workers along
     try:
         work(ctx)
     except KeyboardInterrupt:

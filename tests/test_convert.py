@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from lit_mhar.cli import main
 from lit_mhar.config import ModelConfig
-from lit_mhar.convert import convert, read_checkpoint, write_checkpoint
+from lit_mhar.checkpoint import read_checkpoint, write_checkpoint
+from lit_mhar.convert import convert
 from lit_mhar.model import LM
 from lit_mhar.module import LitLM
 
@@ -115,7 +116,7 @@ def reference_logits(directory: Path, idx: torch.Tensor, dtype: torch.dtype = to
     def rms(x, w):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
-    inv_freq = 1.0 / cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=dtype) / hd)
+    inv_freq = 1.0 / cfg.get("rope_theta", 10000.0) ** (torch.arange(0, hd, 2, dtype=dtype) / hd)
     freqs = torch.outer(torch.arange(T, dtype=dtype), inv_freq)
     cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
 
@@ -299,7 +300,7 @@ def test_missing_source_shard_or_routed_source_or_bad_heads_are_refused(tmp_path
         convert("Qwen/Qwen3-0.6B", str(tmp_path / "out"))
     cfg = hf_config("llama")
     src = write_hf(tmp_path / "src", cfg, hf_tensors(cfg), True)
-    with pytest.raises(ValueError, match="heads=5 must divide d_model=48"):
+    with pytest.raises(ValueError, match="heads=5 must divide hidden_size=48"):
         convert(str(src), str(tmp_path / "out"), heads=5)
     (src / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
@@ -398,3 +399,80 @@ def test_a_lit_mhar_source_brings_its_training_tokenizer_and_overwrite_spares_fo
     with pytest.raises(ValueError, match="convert did not write"):
         convert(str(tmp_path / "prenorm.ckpt"), str(out), overwrite=True)
     assert (out / "notes.txt").read_text() == "mine" and (out / "model.ckpt").is_file()
+
+
+# ----------------------------------------------------------------------------- what transformers computes as plain Llama / Qwen3
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"rope_scaling": {"rope_type": "default"}}, {"rope_scaling": {"type": "default"}}, {"hidden_act": "swish"}, {"rope_theta": None},
+     {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}],
+    ids=["rope_type-default", "type-default", "swish", "no-rope_theta", "rope_parameters-default"],
+)  # fmt: skip
+def test_plain_configs_that_transformers_computes_as_plain_rope_are_accepted(overrides, tmp_path):
+    """rope_scaling {"rope_type": "default"}, hidden_act "swish" and a missing rope_theta (10000) were refused."""
+    cfg = hf_config("llama", **overrides)
+    if cfg.get("rope_theta") is None:
+        cfg.pop("rope_theta")
+    src = write_hf(tmp_path / "src", cfg, hf_tensors(cfg), False)
+    out = convert(str(src), str(tmp_path / "out"))
+    idx = random_ids(cfg["vocab_size"])
+    assert (converted_logits(out, idx).double() - reference_logits(src, idx)).abs().max().item() <= 1e-5
+    assert read_checkpoint(out / "model.ckpt")[0].rope_base == cfg.get("rope_theta", 10000.0)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [({"num_key_value_heads": 3}, "num_key_value_heads=3 must divide num_attention_heads=4"),
+     ({"hidden_size": 47}, "num_attention_heads=4 must divide hidden_size=47"),
+     ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be an integer >= 1"),
+     ({"intermediate_size": "80"}, "intermediate_size='80' must be an integer")],
+)  # fmt: skip
+def test_errors_about_a_hugging_face_config_name_its_keys(overrides, message, tmp_path):
+    """They named lit-mhar's fields (n_kv_head, d_model), which config.json does not have."""
+    cfg = hf_config("llama", **overrides)
+    src = write_hf(tmp_path / "src", cfg, hf_tensors(hf_config("llama")), False)
+    with pytest.raises(ValueError, match=f"config.json: {message}") as e:
+        convert(str(src), str(tmp_path / "out"))
+    import re
+
+    said = str(e.value).split("config.json: ", 1)[1]
+    assert not re.search(r"\b(n_kv_head|d_model|n_head|n_layer|ffn_dim|ModelConfig)\b", said), said
+
+
+def test_convert_says_what_its_logit_check_compares(tmp_path, capsys):
+    """It printed "max |logit difference| on random input", which read as a comparison with the source."""
+    cfg = hf_config("qwen3")
+    src = write_hf(tmp_path / "src", cfg, hf_tensors(cfg), False)
+    assert main(["convert", "--source", str(src), "--output_dir", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "logits checked on random ids against lit-mhar's prenorm model with the same weights: max |difference|" in printed
+    report = json.loads((tmp_path / "out" / "conversion.json").read_text())
+    assert report["logit_check"]["against"] == "lit-mhar's prenorm LM with the source's weights"
+    check = report["source_check"]
+    if check["against"]:
+        assert "against the source's own forward in transformers" in printed and check["max_abs_diff"] <= 1e-3
+    else:
+        assert f"not against the source's own forward ({check['skipped']}" in printed
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        assert check == {"against": None, "skipped": "transformers is not installed"}
+        assert "(transformers is not installed: pip install transformers to check that too)" in printed
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_converted_logits_equal_the_source_models_own_forward_in_transformers(model_type, tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    cfg = hf_config(model_type, tie_word_embeddings=model_type == "qwen3")
+    src = write_hf(tmp_path / "src", cfg, hf_tensors(cfg), True)
+    out = convert(str(src), str(tmp_path / "out"), heads=2, block_size=2)
+    check = json.loads((out / "conversion.json").read_text())["source_check"]
+    assert check["against"].startswith(f"transformers {transformers.__version__} ") and check["max_abs_diff"] <= 1e-4, check
+    import lit_mhar.convert as conversion
+
+    monkeypatch.setattr(conversion, "HF_LOGIT_TOLERANCE", 0.0)  # a model transformers computes otherwise is refused
+    with pytest.raises(RuntimeError, match="differ from the source model's own forward .*nothing written"):
+        convert(str(src), str(tmp_path / "refused"))
+    assert not (tmp_path / "refused").exists()

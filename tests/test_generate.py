@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -406,7 +408,7 @@ def test_cli_generate_streams_what_the_function_returns(trained, capsys):
     # --stream false prints the sample when it is done (it printed nothing at all before)
     assert main(["generate", *args, "--stream", "false"]) == 0
     printed = capsys.readouterr()
-    assert printed.out == "--- sample 0 (max_new_tokens) ---\ndef dumps(obj" + result.texts[0] + "\n"
+    assert printed.out == "--- sample 0 (stopped: max_new_tokens) ---\ndef dumps(obj" + result.texts[0] + "\n"
     assert "seed 3" in printed.err
 
 
@@ -483,3 +485,71 @@ def test_cli_refuses_a_negative_temperature(trained, capsys):
     with pytest.raises(ValueError, match=r"temperature=-1.0 is invalid; valid: a finite number >= 0"):
         main(["generate", "--ckpt", str(trained["ckpt"]), "--prompt", "x", "--temperature", "-1"])
     assert capsys.readouterr().out == ""
+
+
+def test_a_tokenizer_of_another_size_than_the_training_data_is_refused(trained, tmp_path, monkeypatch, capsys):
+    """generate --tokenizer with a smaller tokenizer than the model's data ran with exit 0 and printed gibberish."""
+    from lit_mhar.data import _train_tokenizer
+
+    small = tmp_path / "small.json"
+    tok = _train_tokenizer(iter(["def f(x):\n    return x\n"] * 50), vocab_size=280, length=50)
+    tok.save(str(small))
+    size = tok.get_vocab_size(with_added_tokens=True)
+    assert size < 300
+    monkeypatch.setattr(sys, "argv", ["lit-mhar", "generate", "--ckpt", str(trained["ckpt"]), "--prompt", "def", "--tokenizer", str(small)])
+    assert main() == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+    assert f"tokenizer={str(small)!r} has {size} ids, but the model was trained on a vocabulary of 300" in line
+    assert str(trained["data"] / "manifest.json") in line
+    # the training data's own tokenizer, given explicitly, is the model's
+    assert generate(str(trained["ckpt"]), "def", max_new_tokens=2, tokenizer=str(trained["data"]), verbose=False).token_ids
+
+
+def test_a_padded_embedding_table_takes_the_tokenizer_beside_the_checkpoint(trained, tmp_path):
+    """A model whose embedding table is larger than its tokenizer (a converted Hugging Face model)
+    accepts the tokenizer the data said it was trained with, given or found."""
+    from lit_mhar.checkpoint import read_checkpoint, write_checkpoint
+
+    cfg, weights, _ = read_checkpoint(trained["ckpt"])
+    padded = type(cfg)(**{**cfg.to_dict(), "vocab_size": cfg.vocab_size + 20})
+    weights = dict(weights, **{k: torch.cat([weights[k], torch.zeros(20, weights[k].shape[1])]) for k in ("embed.weight", "lm_head.weight")})
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    write_checkpoint(folder / "model.ckpt", padded, weights, {}, {})
+    shutil.copyfile(trained["data"] / "tokenizer.json", folder / "tokenizer.json")
+    assert generate(str(folder / "model.ckpt"), "def", max_new_tokens=2, verbose=False).token_ids
+    assert generate(str(folder / "model.ckpt"), "def", max_new_tokens=2, tokenizer=str(trained["data"]), verbose=False).token_ids
+
+
+def test_reported_speeds_are_the_steady_state_not_the_first_calls_compilation():
+    """On a fresh GPU the first call's kernel compilation counted as decoding ("prefill 1 tok/s,
+    decode 5.3 tok/s" for a 100m model): the first call of each shape here takes 1.5 s, as a
+    compilation would, and the timed prefill and decode must not contain it."""
+    import time
+
+    model = LM(ModelConfig.from_name("debug", n_layer=1, d_model=32, n_head=2, n_kv_head=1, ffn_dim=32, vocab_size=50, seq_len=32)).eval()
+    seen = set()
+    forward = model.forward
+
+    def first_call_compiles(idx, **kw):
+        if idx.shape not in seen:
+            seen.add(idx.shape)
+            time.sleep(1.5)
+        return forward(idx, **kw)
+
+    model.forward = first_call_compiles
+    ids, _, timing = generate_ids(model, torch.tensor([1, 2, 3]), 6, temperature=0, num_samples=2)
+    assert timing["warmup_s"] >= 3.0 and timing["prefill_s"] < 1.0 and timing["decode_s"] < 1.0, timing
+    model.forward = forward
+    assert torch.equal(generate_ids(model, torch.tensor([1, 2, 3]), 6, temperature=0, num_samples=2, warmup=False)[0], ids)
+
+
+def test_generate_says_when_the_context_stops_a_sample_and_cuts_max_new_tokens(trained, capsys):
+    """The header read `(context)`, like a label; a max_new_tokens cut by the context went unsaid."""
+    assert main(["generate", "--ckpt", str(trained["ckpt"]), "--prompt", "import json", "--max_new_tokens", "500",
+                 "--stop_at_eos", "false", "--stream", "false", "--seed", "0"]) == 0  # fmt: skip
+    printed = capsys.readouterr()
+    assert printed.out.startswith("--- sample 0 (stopped: context full) ---\n")
+    (note,) = [line for line in printed.err.splitlines() if "note:" in line]
+    assert "max_new_tokens=500 is cut to" in note and "the model's context of 32 tokens (seq_len)" in note
+    assert "(stopped: context full); prefill" in printed.err and "steady state, after a" in printed.err

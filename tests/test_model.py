@@ -481,3 +481,21 @@ def test_rmsnorm_takes_torch_fused_kernel_for_a_narrower_input():
     assert "aten::_fused_rms_norm" in {e.name for e in prof.events()}
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.bfloat16(), theirs(x), rtol=0, atol=0)  # identical once rounded to bf16
+
+
+@pytest.mark.parametrize("residual, routed", [("prenorm", {}), ("attnres", {"heads": 2, "block_size": 2}), ("delta", {"heads": 2}), ("hyper", {})])
+def test_bf16_autocast_keeps_every_rms_norm_on_the_fused_path(residual, routed):
+    """QK-RMSNorm under bf16 autocast got bf16 projections and float32 gains: torch could not use its
+    fused kernel and warned at every call ("Mismatch dtype between input and weight ... Cannot
+    dispatch to fused implementation"). Every RMSNorm now computes in one dtype."""
+    import warnings
+
+    model = LM(ModelConfig.from_name("debug", residual=residual, n_layer=2, d_model=32, ffn_dim=64, vocab_size=50, seq_len=16, **routed))
+    tokens = torch.randint(0, 50, (2, 16))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(tokens)
+        logits.float().sum().backward()
+    assert not [str(w.message) for w in caught if "fused implementation" in str(w.message)]
+    assert torch.isfinite(logits.float()).all()

@@ -15,7 +15,7 @@ import torch
 
 from lit_mhar.cli import main
 from lit_mhar.config import ModelConfig
-from lit_mhar.convert import read_checkpoint, write_checkpoint
+from lit_mhar.checkpoint import read_checkpoint, write_checkpoint
 from lit_mhar.data import TokenDataModule
 from lit_mhar.model import LM
 from lit_mhar.probe import pairwise_jsd, probe
