@@ -125,9 +125,8 @@ def graph_training_loss(model: LM, inputs: Tensor, targets: Tensor, warmup_steps
     backward graph and hands every parameter's gradient to autograd, where the optimizer and
     gradient clipping use them as usual. The host enqueues two graph launches per step instead of
     every kernel, which routed models (many small kernels: the fused routing ops, two-phase block
-    routing's merges) gain from where the host's enqueue time shows in the step: block MHAR at 350m
-    on one H200 went from 0.912x to 0.924x prenorm's tokens/s; at 100m, and through ``lit-mhar fit``
-    at 350m, nothing measurable (BENCHMARKS.md, twenty-third set). The warm-up
+    routing's merges) gain from where the host's enqueue time shows in the step (BENCHMARKS.md has
+    what it gains at each scale). The warm-up
     forwards and backwards only compute gradients for the capture (``torch.autograd.grad``): no
     parameter's ``.grad`` changes.
 
@@ -139,7 +138,7 @@ def graph_training_loss(model: LM, inputs: Tensor, targets: Tensor, warmup_steps
     must keep their tensors (update them in place, as optimizers do).
 
     Every capture keeps its routing ops' offset tables' pinned host memory (a few hundred bytes)
-    for the life of the process (``lit_mhar.kernels.triton_routing._offsets``).
+    for the life of the process (``lit_mhar.kernels.launch.offsets``).
 
     Raises:
         ValueError: ``inputs`` and ``targets`` of different shapes, not ``[B, T]`` or not integer
@@ -201,7 +200,7 @@ class LitLM(L.LightningModule):
             checkpoints load with or without it. ``true`` or ``"auto"``: the whole model where
             nothing is routed (prenorm, Hyper-Connections), else attention, MLP and every norm
             module by module with routing eager on the fused kernels (the layouts BENCHMARKS.md
-            measures since its twenty-second set). ``"sublayers"`` or ``"model"`` choose one for
+            measures). ``"sublayers"`` or ``"model"`` choose one for
             every variant. ``false``: eager. Other values raise ValueError.
         activation_checkpointing: Recompute every sublayer (routing, pre-norm, attention / MLP) in
             the backward pass instead of keeping its activations (``torch.utils.checkpoint``,
