@@ -489,10 +489,10 @@ def test_cli_refuses_a_negative_temperature(trained, capsys):
 
 def test_a_tokenizer_of_another_size_than_the_training_data_is_refused(trained, tmp_path, monkeypatch, capsys):
     """generate --tokenizer with a smaller tokenizer than the model's data ran with exit 0 and printed gibberish."""
-    from lit_mhar.data import _train_tokenizer
+    from lit_mhar.corpus import _train_tokenizer
 
     small = tmp_path / "small.json"
-    tok = _train_tokenizer(iter(["def f(x):\n    return x\n"] * 50), vocab_size=280, length=50)
+    tok = _train_tokenizer(iter(["def f(x):\n    return x\n"] * 50), vocab_size=280)
     tok.save(str(small))
     size = tok.get_vocab_size(with_added_tokens=True)
     assert size < 300

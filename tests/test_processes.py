@@ -69,14 +69,16 @@ def test_a_killed_prepare_takes_its_workers_along_and_the_next_one_removes_its_s
     corpus.mkdir()
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     sources = sorted(stdlib.glob("*.py"))[:60]
-    for copy in range(12):  # ~30 MB of text: seconds of tokenising
+    for copy in range(12):  # ~30 MB of text: seconds of tokenising (each copy distinct: prepare drops exact duplicates)
         for source in sources:
-            shutil.copyfile(source, corpus / f"{copy}-{source.name}")
+            (corpus / f"{copy}-{source.name}").write_bytes(f"# copy {copy}\n".encode() + source.read_bytes())
     out = tmp_path / "data"
     command = [sys.executable, "-m", "lit_mhar.cli", "prepare", "--output_dir", str(out), "--source", "files", "--files", json.dumps([f"{corpus}/*.py"]),
                "--tokenizer", str(small_corpus / "tokenizer.json"), "--num_workers", "2", "--chunk_bytes", "64KB"]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: len(children(proc.pid)) >= 2 or proc.poll() is not None, 120, "prepare's workers")
+    # the tokenising workers, which write into the staging folder (the scan's workers come before it exists)
+    wait_for(lambda: (len(children(proc.pid)) >= 2 and any(tmp_path.glob(".data.tmp-*"))) or proc.poll() is not None, 120,
+             "prepare's workers")
     workers = children(proc.pid)
     assert proc.poll() is None and len(workers) >= 2, proc.communicate()[1][-2000:]
     os.kill(proc.pid, signal.SIGKILL)
