@@ -7,9 +7,10 @@ jsonargparse over one function each (``sweep``: one per subcommand).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from typing import Callable, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 LIGHTNING_VERBS = ("fit", "validate", "test", "predict")
 
@@ -192,6 +193,31 @@ def main(args: Optional[list[str]] = None) -> int:
         print(usage(), file=sys.stderr)
         return 2
     command = f"lit-mhar {verb}"
+    with tracking_uri_restored():
+        return _run(verb, rest, args, lightning_args, command)
+
+
+@contextlib.contextmanager
+def tracking_uri_restored() -> Iterator[None]:
+    """Leave MLflow's process-wide tracking URI as it was: Lightning's MLFlowLogger calls
+    ``mlflow.set_tracking_uri``, which also sets ``MLFLOW_TRACKING_URI`` in ``os.environ``, so a
+    second ``main`` in the same process (a script, a test) would otherwise log into the first one's store."""
+    saved = os.environ.get("MLFLOW_TRACKING_URI")
+    try:
+        yield
+    finally:
+        if "mlflow" in sys.modules:
+            import mlflow
+
+            mlflow.set_tracking_uri(saved)  # None unsets the variable
+        elif saved is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = saved
+
+
+def _run(verb: str, rest: list[str], args: Optional[list[str]], lightning_args: Optional[list[str]], command: str) -> int:
+    """Run one verb under :func:`main`'s error handling."""
     try:
         if verb in LIGHTNING_VERBS:
             check_config_files(rest)

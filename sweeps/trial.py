@@ -158,12 +158,12 @@ def run_trial(config: str, result: str) -> int:
                        startup_s=pruning and pruning.startup_s)
         code = 0
         if pruning is not None and pruning.orphaned:  # the runner died: this run is not a result
-            code = _orphaned(outcome, config)
+            code = _orphaned(outcome)
     except BaseException as e:  # noqa: BLE001 - every failure is the trial's result
         # (the parent pid alone does not tell: when the runner is killed, its threads die one by
         # one, and the kernel may signal this process before it gives it a new parent)
         if RUNNER_DIED in stopped_by or os.getppid() != parent:
-            code = _orphaned(outcome, config)
+            code = _orphaned(outcome)
         elif stopped_by:
             outcome["error"] = "stopped by SIGTERM (from the sweep runner)"
         elif isinstance(e, SystemExit):  # jsonargparse reports bad arguments by exiting
@@ -175,25 +175,39 @@ def run_trial(config: str, result: str) -> int:
         else:
             outcome.update(error=f"{type(e).__name__}: {e}"[:2000], oom=_is_oom(e), traceback=traceback.format_exc()[-4000:])
             traceback.print_exc()
+    for signum in (signal.SIGTERM, RUNNER_DIED):  # a second signal must not cut the result short
+        signal.signal(signum, signal.SIG_IGN)
     Path(result).write_text(json.dumps(outcome, indent=2) + "\n")
+    if code == 3:
+        _close_orphaned_run(config)
     return code
 
 
-def _orphaned(outcome: dict[str, Any], config: str) -> int:
-    """Records a trial whose runner died as not a result, closes its MLflow run as KILLED (the run id
-    and store of the trial's config), and returns the exit status 3."""
+def _orphaned(outcome: dict[str, Any]) -> int:
+    """Records a trial whose runner died as not a result; returns the exit status 3."""
+    outcome.update(status="error", error="stopped: the sweep runner that started this trial died")
+    return 3
+
+
+def _close_orphaned_run(config: str) -> None:
+    """Closes the MLflow run of a trial whose runner died as KILLED (the run id and store of the
+    trial's config). Best effort, after the result is written: the interrupt may have cut an MLflow
+    write short and left its store locked, and the next ``sweep run`` closes the run as KILLED anyway."""
     import yaml
 
-    outcome.update(status="error", error="stopped: the sweep runner that started this trial died")
     logger = ((yaml.safe_load(Path(config).read_text()) or {}).get("trainer") or {}).get("logger") or {}
     init = (logger.get("init_args") or {}) if isinstance(logger, dict) else {}
-    if init.get("run_id") and init.get("tracking_uri"):
+    if not (init.get("run_id") and init.get("tracking_uri")):
+        return
+    try:
         import mlflow
 
         client = mlflow.MlflowClient(tracking_uri=init["tracking_uri"])
         client.set_tag(init["run_id"], "optuna.trial_state", "FAIL")
         client.set_terminated(init["run_id"], "KILLED")
-    return 3
+    except Exception as e:  # noqa: BLE001
+        print(f"[lit-mhar] note: could not close MLflow run {init['run_id']} as KILLED ({type(e).__name__}: {e}); "
+              "the next `lit-mhar sweep run` of this study closes it", file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

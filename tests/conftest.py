@@ -44,6 +44,16 @@ def pytest_xdist_make_scheduler(config, log):
     return LoadWithWholeModules(config, log)
 
 
+@pytest.fixture(autouse=True)
+def _mlflow_tracking_uri_isolated():
+    """A test that fits in-process through LitMharCLI (not ``main``) sets MLflow's process-wide tracking
+    URI, and with it ``MLFLOW_TRACKING_URI``: later tests on the same worker would log into its store."""
+    from lit_mhar.cli import tracking_uri_restored
+
+    with tracking_uri_restored():
+        yield
+
+
 @pytest.fixture(scope="session")
 def stdlib_corpus(tmp_path_factory) -> Path:
     """A tiny dataset of 12 real stdlib modules (BPE vocabulary 300, 30% validation), prepared once per session."""

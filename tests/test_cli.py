@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -176,6 +177,20 @@ def test_fit_resumes_from_a_checkpoint_where_it_stopped(small_corpus, tmp_path):
     assert len(resumed) == 1, "a resumed fit is a new run with its own checkpoint folder"
     assert torch.load(resumed[0], map_location="cpu", weights_only=False)["global_step"] == 6
     assert ckpt.read_bytes() == before, "the checkpoint resumed from must not be touched"
+
+
+def test_a_fit_through_main_leaves_the_process_tracking_uri_as_it_was(small_corpus, tmp_path, monkeypatch):
+    """Lightning's MLFlowLogger sets MLflow's process-wide tracking URI (and MLFLOW_TRACKING_URI):
+    a second main() in the same process must not log into the first one's store."""
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    main(fit_args(small_corpus, tmp_path, "--trainer.max_steps", "2"))
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    assert str(tmp_path) not in mlflow.get_tracking_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")
+    main(fit_args(small_corpus, tmp_path / "second", "--trainer.max_steps", "2"))
+    assert os.environ["MLFLOW_TRACKING_URI"] == "sqlite:///elsewhere.db" and not (tmp_path / "elsewhere.db").exists()
 
 
 def test_fit_refuses_a_resume_that_cannot_continue_the_checkpoint_before_any_work(small_corpus, tmp_path, monkeypatch, capsys):

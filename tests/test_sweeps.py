@@ -432,6 +432,7 @@ def test_killed_sweep_resumes_without_redoing_finished_trials(tmp_path, stdlib_c
         time.sleep(0.2)
         run_1 = client.get_run(run_1.info.run_id)
     assert run_1.info.status == "KILLED"
+    assert result.is_file(), (result.parent / "trial.log").read_text()[-3000:]
     orphan = json.loads(result.read_text())
     assert orphan["status"] == "error" and "runner that started this trial died" in orphan["error"]
 
