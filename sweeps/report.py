@@ -394,13 +394,18 @@ def plot_vs(summary: list[dict[str, Any]], x: str, y: str, ylabel: str, path: Pa
             ax.set_xscale("log", base=2)
             ax.set_xticks(xs_all)
             ax.set_xticklabels([str(v) for v in xs_all])
-        ax.set_xlabel("routing heads H" if x == "heads" else "block size S (sublayers per block)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(scale)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+        _style(ax, scale, "routing heads H" if x == "heads" else "block size S (sublayers per block)", ylabel)
     _save(fig, path)
+
+
+def _style(ax: Any, title: str, xlabel: str, ylabel: str) -> None:
+    """Labels, title, a light grid and (where anything is labelled) a small legend."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
 
 
 def plot_fits(rows: list[dict[str, Any]], laws: dict[str, Any], path: Path) -> None:
@@ -422,11 +427,7 @@ def plot_fits(rows: list[dict[str, Any]], laws: dict[str, Any], path: Path) -> N
         elif law is not None:
             ax.text(0.5, 0.9, "no fit: " + str(law)[:60] + "...", ha="center", transform=ax.transAxes, fontsize=7)
         ax.set_xscale("log")
-        ax.set_xlabel("training compute C (FLOPs)")
-        ax.set_ylabel("validation loss (nats/token)")
-        ax.set_title(scale)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _style(ax, scale, "training compute C (FLOPs)", "validation loss (nats/token)")
     _save(fig, path)
 
 
@@ -449,11 +450,7 @@ def plot_pareto(summary: list[dict[str, Any]], path: Path) -> None:
             if i in front:
                 ax.annotate(f"{r['residual']} H{r['heads']} S{r['block_size']}", pts[i], fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], color="tab:red", label="Pareto front")
-        ax.set_xlabel("training tokens/s")
-        ax.set_ylabel("validation loss (nats/token)")
-        ax.set_title(scale)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _style(ax, scale, "training tokens/s", "validation loss (nats/token)")
     _save(fig, path)
 
 

@@ -380,7 +380,11 @@ def run(
     merged: dict[str, Any] = {}
     if base_config is not None:
         path = Path(str(getattr(base_config, "absolute", base_config)))
-        loaded = yaml.safe_load(path.read_text()) if path.is_file() else None
+        try:
+            loaded = yaml.safe_load(path.read_text()) if path.is_file() else None
+        except yaml.MarkedYAMLError as e:
+            where = f" at line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}" if e.problem_mark else ""
+            raise ValueError(f"base_config={str(base_config)!r} ({path}): not valid YAML: {e.problem}{where}; correct the file") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"base_config={str(base_config)!r} is not a readable fit config (a YAML mapping)")
         merged = loaded

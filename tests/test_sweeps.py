@@ -451,6 +451,9 @@ def test_base_config_is_read_relative_to_the_sweep_file(tmp_path, monkeypatch):
     (tmp_path / "base.yaml").write_text("- not a mapping\n")
     with pytest.raises(ValueError, match="is not a readable fit config"):
         main(["sweep", "run", "--config", "sub/rel.yaml"])
+    (tmp_path / "base.yaml").write_text("model:\n  config: {name: debug\n")  # a syntax error
+    with pytest.raises(ValueError, match=r"base_config='../base.yaml' \(.*base.yaml\): not valid YAML: .* at line 3"):
+        main(["sweep", "run", "--config", "sub/rel.yaml"])
 
 
 @pytest.mark.slow
