@@ -343,8 +343,11 @@ def convert(
         FileExistsError: ``output_dir`` exists, is not empty and ``overwrite`` is false.
         ValueError: a source that is not prenorm, an unsupported architecture, missing or unknown
             tensors, shapes that do not match, bad ``heads`` / ``block_size``; checked before any
-            output is written.
-        RuntimeError: a logit check failed (nothing is written).
+            output is written. Also a source whose own forward in ``transformers`` differs from
+            the converted model's (its config asks for something lit-mhar does not compute;
+            nothing is written).
+        RuntimeError: the converted model differs from lit-mhar's prenorm model with the same
+            weights (a bug; nothing is written).
     """
     src, out = Path(source).expanduser(), Path(output_dir).expanduser()
     if not src.exists():
@@ -406,7 +409,7 @@ def convert(
     if src.is_dir() and verify_tokens:
         source_check = _verify_with_transformers(src, hf, converted, verify_tokens)
         if source_check.get("against") and not source_check["max_abs_diff"] <= HF_LOGIT_TOLERANCE:
-            raise RuntimeError(
+            raise ValueError(
                 f"converted logits differ from the source model's own forward ({source_check['against']}) by "
                 f"{source_check['max_abs_diff']:.3g} > {HF_LOGIT_TOLERANCE}: {src / 'config.json'} asks for something lit-mhar's "
                 "LM does not compute; nothing written"

@@ -381,8 +381,11 @@ class TokenDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> torch.utils.data.DataLoader:
         """int64 ``[<= batch_size, seq_len + 1]`` batches of the fixed validation set, in order (this rank's share)."""
+        # a generator of its own: a DataLoader iterator otherwise draws its base seed from the global
+        # torch RNG, so how often validation runs would shift the random stream training uses
         return torch.utils.data.DataLoader(
-            ValBlocks(self.val_blocks()), batch_size=self.batch_size, collate_fn=_collate_tokens, pin_memory=torch.cuda.is_available()
+            ValBlocks(self.val_blocks()), batch_size=self.batch_size, collate_fn=_collate_tokens, pin_memory=torch.cuda.is_available(),
+            generator=torch.Generator(),
         )
 
     def test_dataloader(self) -> torch.utils.data.DataLoader:

@@ -264,6 +264,45 @@ def error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if "error:" in line]
 
 
+def test_data_that_cannot_serve_the_fit_is_refused_through_the_cli_before_any_run_exists(tmp_path, monkeypatch, capsys):
+    """A val split with no block of seq_len + 1 tokens (the train split has them) and a damaged chunk:
+    one line and exit 2 from `lit-mhar fit`, and no MLflow store, run folder or FAILED run left."""
+    import random
+    import shutil
+
+    from lit_mhar.data import prepare
+
+    words = ["alpha", "beta", "gamma", "delta", "route", "depth", "query", "key", "value", "block"]
+    rng = random.Random(0)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(40):  # ~150 words each: the val split (one document at val_tokens=64) is shorter than 257 tokens
+        (docs / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(150)) + "\n")
+    data = tmp_path / "data"
+    prepare(str(data), source="files", files=[str(p) for p in sorted(docs.glob("*.txt"))], vocab_size=300, val_tokens=64)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{work / 'mlflow.db'}")
+
+    def fit(data_dir: Path, *extra: str) -> str:
+        monkeypatch.setattr(sys, "argv", ["lit-mhar", "fit", "--config", str(ROOT / "configs" / "debug.yaml"), "--data.data_dir", str(data_dir),
+                                          "--data.val_tokens", "null", "--trainer.accelerator", "cpu", *extra])
+        assert main() == 2
+        (line,) = error_lines(capsys.readouterr().err)
+        assert sorted(p.name for p in work.iterdir()) == []  # no mlflow.db, no runs/
+        return line
+
+    line = fit(data, "--data.seq_len", "256")
+    assert "the val split of" in line and "seq_len + 1 = 257 tokens" in line, line
+    damaged = tmp_path / "damaged"
+    shutil.copytree(data, damaged)
+    chunk = next((damaged / "train").glob("chunk-*.bin"))
+    chunk.write_bytes(chunk.read_bytes()[:10])
+    line = fit(damaged, "--data.seq_len", "32")
+    assert f"chunk {chunk} is damaged" in line and "lit-mhar prepare" in line, line
+
+
 def test_user_error_prints_one_line_and_exits_2_without_a_traceback(small_corpus, tmp_path, monkeypatch, capsys):
     """Run as the command (args from sys.argv): a ModelConfig ValueError raised while LightningCLI instantiates."""
     monkeypatch.setattr(sys, "argv", ["lit-mhar", *fit_args(small_corpus, tmp_path, "--model.config.residual", "attnres", "--model.config.heads", "3")])

@@ -670,6 +670,18 @@ def _rng_states() -> tuple:
     return random.getstate(), np.random.get_state()[1].tobytes(), torch.get_rng_state().numpy().tobytes()
 
 
+def test_validation_draws_nothing_from_the_global_random_state(dataset):
+    """A DataLoader iterator draws its base seed from the global torch RNG unless it has a generator of
+    its own: each validation would shift the random stream of training."""
+    dm = TokenDataModule(str(dataset), seq_len=8, batch_size=2)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    for _ in range(3):
+        assert len(list(dm.val_dataloader())) > 0
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_preparing_a_corpus_leaves_every_random_state_as_it_was(corpus, tmp_path):
     """A fit that prepares its data first must train as every later fit of the same config does."""
     L.seed_everything(3)
