@@ -82,6 +82,10 @@ def log_dataset_inputs(client: Any, run_id: str, data_dir: str | os.PathLike, ma
         data_dir: the dataset folder (``lit-mhar prepare``'s output).
         manifest: its ``manifest.json``.
         splits: split -> MLflow's dataset context (``{"train": "training", "val": "evaluation"}``).
+
+    Raises:
+        mlflow.exceptions.MlflowException: the store refused the inputs ``DATASET_LOG_ATTEMPTS``
+            times (a refusal is retried: concurrent runs logging the same dataset race in the store).
     """
     import hashlib
     import json
@@ -116,7 +120,21 @@ def log_dataset_inputs(client: Any, run_id: str, data_dir: str | os.PathLike, ma
         profile = {k: counts.get(k) for k in ("tokens", "documents", "chunks")} | {"vocab_size": manifest.get("vocab_size"), "source": manifest.get("source")}
         dataset = TokenDataset(f"{folder.name}/{split}", profile)
         inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]))
-    client.log_inputs(run_id, datasets=inputs)
+    from mlflow.exceptions import MlflowException
+
+    for attempt in range(DATASET_LOG_ATTEMPTS):
+        try:
+            client.log_inputs(run_id, datasets=inputs)
+            return
+        except MlflowException:
+            # The store looks the dataset up, then inserts it: two runs of one experiment that log the same
+            # dataset at once (a sweep's trials) race, and the loser hits the unique key. Again, it finds the row.
+            if attempt == DATASET_LOG_ATTEMPTS - 1:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+
+
+DATASET_LOG_ATTEMPTS = 4
 
 
 class TrackingUnavailable(RuntimeError):

@@ -62,3 +62,35 @@ def test_system_metrics_without_psutil_are_refused_naming_what_to_install(monkey
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "psutil" else real(name, *a))
     with pytest.raises(ValueError, match="log_system_metrics=True needs psutil: pip install psutil"):
         MLFlowLogger(log_system_metrics=True)
+
+
+def test_a_dataset_input_that_races_another_runs_is_logged_again(small_corpus, tmp_path, monkeypatch):
+    """Two trials of a sweep log the same dataset at once: the store's lookup-then-insert races and the
+    loser's insert hits the unique key (seen on PostgreSQL). The second attempt links the existing row."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from lit_mhar import tracking
+    from lit_mhar.data import read_manifest
+
+    monkeypatch.setattr(tracking.time, "sleep", lambda s: None)
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("race")).info.run_id
+    real, calls = client.log_inputs, []
+
+    def log_inputs(run, datasets):
+        calls.append(len(datasets))
+        if len(calls) == 1:
+            raise MlflowException('duplicate key value violates unique constraint "dataset_pk"')
+        return real(run, datasets=datasets)
+
+    monkeypatch.setattr(client, "log_inputs", log_inputs)
+    tracking.log_dataset_inputs(client, run_id, small_corpus, read_manifest(small_corpus), {"train": "training", "val": "evaluation"})
+    assert calls == [2, 2]
+    assert sorted(d.dataset.name for d in client.get_run(run_id).inputs.dataset_inputs) == ["data/train", "data/val"]
+
+    calls.clear()
+    monkeypatch.setattr(client, "log_inputs", lambda run, datasets: calls.append(1) or (_ for _ in ()).throw(MlflowException("refused")))
+    with pytest.raises(MlflowException, match="refused"):
+        tracking.log_dataset_inputs(client, run_id, small_corpus, read_manifest(small_corpus), {"train": "training"})
+    assert len(calls) == tracking.DATASET_LOG_ATTEMPTS
